@@ -1,0 +1,349 @@
+"""Qwen2 / Qwen2.5 decoder, written by hand, loading Hugging Face safetensors directly.
+
+This is the plain autoregressive model that MARS fine-tunes. MARS adds no
+parameter, head or module (MARS_SPEC §1-§3): everything the method needs from the
+model is the freedom to pass
+
+  * explicit position ids  (the noisy stream re-uses the clean stream's positions, §3),
+  * an explicit boolean attention mask (the two-stream mask of §3, the exact-mode
+    verify/draft mask, padding), True = "may attend",
+  * a KV cache (kvcache.KVCache) that holds already-processed tokens (§6).
+
+Numerics follow transformers' Qwen2 so that logits agree to ~1e-6 in fp32:
+RMSNorm in fp32 then cast back before the weight; rotate-half RoPE with inv_freq
+in fp32 and cos/sin cast to the activation dtype; q/k/v with bias, o without;
+softmax in fp32 (scaled_dot_product_attention); residual adds in the model dtype.
+Parameter names are HF's (model.layers.N.self_attn.q_proj, ...), so a
+checkpoint loads by name and what we save loads in transformers.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+@dataclass
+class Qwen2Config:
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads (as in every Qwen2.5 config)
+    max_position_embeddings: int = 32768
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config") -> "Qwen2Config":
+        """Read the fields we use from an HF config.json dict; refuse what we cannot run."""
+        if d.get("model_type") not in ("qwen2", None):
+            raise ValueError(f"{source}: unsupported model_type {d.get('model_type')!r} "
+                             "(only 'qwen2', i.e. Qwen2 / Qwen2.5, is implemented)")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{source}: unsupported rope type {rope!r}")
+        d = dict(d)
+        if "rope_theta" not in d and "rope_theta" in rope:  # transformers >= 5 nests it
+            d["rope_theta"] = rope["rope_theta"]
+        names = {f.name for f in fields(cls)}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing key(s) {missing}")
+        kw = {k: v for k, v in d.items() if k in names and v is not None}
+        kw.setdefault("num_key_value_heads", d["num_attention_heads"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str) -> "Qwen2Config":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), source=path)
+
+    def to_hf_dict(self) -> dict:
+        d = asdict(self)
+        d.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
+                 use_sliding_window=False, sliding_window=None, attention_dropout=0.0,
+                 # both spellings, so transformers 4.x and 5.x read the same theta
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        return d
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, cast back *before* the weight multiply (HF order)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(position_ids, inv_freq, dtype):
+    """cos/sin tables for rotate-half RoPE. position_ids (B, T) -> (B, 1, T, hd) each."""
+    freqs = position_ids[..., None].float() * inv_freq  # (B, T, hd/2), fp32
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=True)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            # the new K/V go into the cache slots right after each row's committed
+            # tokens; we attend over the cached prefix plus these new slots
+            k, v = cache.write(self.layer_idx, k, v)  # (B, nkv, S, hd)
+        if self.n_kv != self.n_head:  # grouped-query attention: share each kv head
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        # mask: (B, 1, T, S) bool, True = may attend; softmax runs in fp32 inside sdpa
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.hd ** -0.5)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen2Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `Qwen2Model`: embeddings, layers, final norm (named to match the checkpoint)."""
+
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def build_mask(T, attn_mask=None, cache=None, device=None):
+    """The boolean mask handed to attention, (B or 1, 1, T, S).
+
+    `attn_mask` relates the T tokens of this call to each other, (T, T) or (B, T, T),
+    True = may attend; None means plain causal. With a cache, every committed cached
+    token of the row is visible as well, and the new tokens sit at slots
+    lengths[b] .. lengths[b]+T-1, so the mask is placed at that offset per row.
+    """
+    if attn_mask is None:
+        attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if attn_mask.dim() == 2:
+        attn_mask = attn_mask[None]
+    if cache is None:
+        return attn_mask[:, None]
+    lengths = cache.lengths  # (B,)
+    S = int(lengths.max()) + T
+    j = torch.arange(S, device=lengths.device)
+    rel = j[None, :] - lengths[:, None]  # (B, S) slot index relative to the new tokens
+    new = attn_mask.expand(lengths.shape[0], T, T)
+    in_new = (rel >= 0) & (rel < T)
+    picked = torch.gather(new, 2, rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1))  # (B, T, S)
+    mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & picked)
+    return mask[:, None]
+
+
+class Qwen2(nn.Module):
+    """HF's `Qwen2ForCausalLM`: a backbone plus an LM head (tied to the embeddings or not)."""
+
+    def __init__(self, cfg: Qwen2Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.gradient_checkpointing = False
+
+    def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
+        """Final-norm hidden states (B, T, C); the LM head is applied by the caller.
+
+        idx (B, T) token ids; position_ids (B, T), default: slot index (after the
+        cached tokens with a cache); attn_mask, see build_mask; cache: kvcache.KVCache
+        (written at each row's length, never committed here: the caller decides
+        which new tokens to keep, MARS_SPEC §6).
+        """
+        B, T = idx.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=idx.device)[None].expand(B, T)
+            if cache is not None:
+                position_ids = position_ids + cache.lengths[:, None]
+        mask = build_mask(T, attn_mask, cache, idx.device)
+        x = self.model.embed_tokens(idx)  # (B, T, C)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training and cache is None:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask, cache)
+        return self.model.norm(x)
+
+    def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
+        """Logits (B, T, V) for every position."""
+        return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
+
+    # ------------------------------------------------------------------ I/O
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu"):
+        """Load an HF-layout directory (config.json + model.safetensors or a sharded
+        model.safetensors.index.json). The module is built on the meta device and the
+        tensors are assigned straight from the files: no random copy in memory."""
+        cfg = Qwen2Config.from_json(os.path.join(path, "config.json"))
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+        state = {}
+        by_file = {}
+        for key, file in _weight_files(path).items():
+            by_file.setdefault(file, []).append(key)
+        for file, keys in by_file.items():
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in keys:
+                    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # some tied checkpoints store the head too; it is the embedding
+                    if key not in expected:
+                        raise KeyError(f"{file}: unexpected key {key!r} (not a Qwen2 parameter)")
+                    t = f.get_tensor(key)
+                    if t.shape != expected[key]:
+                        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(expected[key])} from config.json")
+                    state[key] = t.to(dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise KeyError(f"{path}: missing weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        model.load_state_dict(state, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        hd = cfg.head_dim
+        model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float,
+                                                                device=device) / hd))
+        return model
+
+    def save_pretrained(self, path):
+        """config.json + model.safetensors in HF layout (a tied head is stored once)."""
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        _atomic_write(os.path.join(path, "model.safetensors"),
+                      lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        d = self.config.to_hf_dict()
+        d["torch_dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
+        _atomic_write(os.path.join(path, "config.json"),
+                      lambda tmp: open(tmp, "w").write(json.dumps(d, indent=2) + "\n"))
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # a tied matrix counts once
+
+
+def _weight_files(path):
+    """Map every tensor name to the safetensors file that holds it."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        out = {}
+        for key, name in weight_map.items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index}: shard {name!r} (for {key!r}) not found")
+            out[key] = file
+        return out
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors weights are loaded)")
+
+
+def _atomic_write(final_path, write_fn):
+    """Write through a temp file in the same directory, then rename: never half a file."""
+    tmp = final_path + ".tmp"
+    write_fn(tmp)
+    os.replace(tmp, final_path)
+
+
+def init_weights(model: Qwen2, std: float = 0.02, seed: int | None = None):
+    """Random init for models trained from scratch (the tiny default): N(0, std),
+    zero biases, unit norms, output projections scaled by 1/sqrt(2 n_layers)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    n = model.config.num_hidden_layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                s = std / math.sqrt(2 * n) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=g) * s)
+    return model

@@ -1,0 +1,36 @@
+"""Shared test helpers: tiny random Qwen2 checkpoints built with transformers
+(the independent reference) and saved with save_pretrained. Nothing is downloaded."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
+    """Build a random HF Qwen2ForCausalLM (eager attention, fp32), save it to `path`
+    and return it. A larger-than-default init std makes the output distribution peaked,
+    so greedy argmaxes are far from ties and token-for-token comparisons are meaningful."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+               initializer_range=0.15, attn_implementation="eager")
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    hf = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    hf.save_pretrained(str(path), **kw)
+    return hf
+
+
+@pytest.fixture
+def tiny_hf(tmp_path):
+    """(hf_model, path) for the default tiny config."""
+    path = tmp_path / "tiny"
+    return make_hf_model(path), str(path)
