@@ -1,0 +1,94 @@
+"""Held-out accuracy and tokens per forward of a checkpoint on the synthetic test split.
+
+Greedy decoding with the τ-gated acceptance rule of MARS_SPEC §5 (τ = 1 is plain AR,
+one token per forward). A problem counts as solved when the reply's last line reads
+"The answer is X." with X exactly the expected answer (data/synthetic.py).
+Tokens per forward = generated tokens / forward passes, summed over all problems
+(a problem's forwards are the steps run while it was still generating).
+
+    python evaluate.py --ckpt out/default/mars --taus 1,0.9
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from data.synthetic import FAMILIES, is_correct, read_jsonl
+from generate import generate
+from model import Qwen2
+from tokenizer import Tokenizer
+
+
+def mars_settings(ckpt):
+    """block_size / mask_id saved by train.py next to the weights (mars.json)."""
+    path = os.path.join(ckpt, "mars.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@torch.no_grad()
+def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, split="test",
+             limit=None, batch_size=50, max_new_tokens=96, cache="window", device="cpu",
+             model=None, verbose=True):
+    """{tau: {"accuracy", "tokens_per_forward", "per_family", "seconds"}} on `split`."""
+    tok = Tokenizer.from_dir(ckpt)
+    block_size = block_size or mars_settings(ckpt).get("block_size", 4)
+    model = model if model is not None else Qwen2.from_pretrained(ckpt, device=device).eval()
+    problems = read_jsonl(os.path.join(data_dir, f"{split}.jsonl"))[:limit]
+    prompts = [tok.encode_chat(p["messages"][:-1], add_generation_prompt=True) for p in problems]
+    eos = (tok.eos_id, tok.endoftext_id)
+    results = {}
+    for tau in taus:
+        t0 = time.time()
+        correct, tokens, forwards = [], 0, 0
+        for i in range(0, len(prompts), batch_size):
+            gens = generate(model, prompts[i:i + batch_size], block_size=block_size, tau=tau,
+                            max_new_tokens=max_new_tokens, mask_id=tok.mask_id, eos_ids=eos,
+                            cache=cache)
+            for p, g in zip(problems[i:i + batch_size], gens):
+                correct.append(is_correct(p, tok.decode([t for t in g.ids if t not in eos])))
+                tokens += len(g.ids)
+                forwards += g.forwards
+        fam = {f: [c for c, p in zip(correct, problems) if p["family"] == f] for f in FAMILIES}
+        results[tau] = {
+            "accuracy": 100.0 * sum(correct) / len(correct),
+            "tokens_per_forward": tokens / forwards,
+            "per_family": {f: 100.0 * sum(v) / len(v) for f, v in fam.items() if v},
+            "seconds": time.time() - t0,
+        }
+        if verbose:
+            r = results[tau]
+            fams = "  ".join(f"{f} {a:.0f}" for f, a in r["per_family"].items())
+            print(f"tau={tau:<5} accuracy {r['accuracy']:5.1f}%  tokens/forward "
+                  f"{r['tokens_per_forward']:.2f}  ({fams})  {r['seconds']:.0f}s", flush=True)
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--data-dir", default="data/default")
+    ap.add_argument("--taus", default="1.0,0.9", help="comma-separated τ values")
+    ap.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's mars.json")
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--cache", default="window", choices=["window", "block", "none"])
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    a = ap.parse_args(argv)
+    if not os.path.isdir(a.ckpt):
+        sys.exit(f"error: checkpoint directory not found: {a.ckpt}")
+    res = evaluate(a.ckpt, a.data_dir, [float(t) for t in a.taus.split(",")], a.block_size,
+                   a.split, a.limit, cache=a.cache)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
