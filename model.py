@@ -73,6 +73,10 @@ class Qwen2Config:
             raise ValueError(f"{source}: missing key(s) {missing}")
         kw = {k: v for k, v in d.items() if k in names and v is not None}
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
+        # a key config.json leaves out means what transformers' Qwen2Config says, not the
+        # 0.5B defaults above: an untied checkpoint must not be silently tied
+        kw.setdefault("tie_word_embeddings", False)
+        kw.setdefault("rope_theta", 10000.0)
         return cls(**kw)
 
     @classmethod
