@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core for subprocess tests
 
 
 def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
