@@ -193,3 +193,43 @@ def ar_loss(model, ids, labels):
     h = model.hidden(ids)  # (N, l, C), plain causal mask, positions 0..l-1
     rows, src, tokens = _targets(labels)
     return _per_sequence_mean(_ce_at(model, h, rows, src, tokens), rows, ids.shape[0])
+
+
+# ----------------------------------------------------------------------------- exact mode (exact.py)
+def exact_attention_mask(n_drafts: int, group_size: int, device=None):
+    """The (T, T) mask of one exact-mode step, T = (1+K)(1+g), True = query may attend key.
+
+    The new tokens are [c_0, d_1..d_K | G_0 | G_1 | .. | G_K]: K+1 real tokens (the
+    pending token c_0 and K drafts), then K+1 groups of g masks. With r = index of a
+    real token and (j, m) = (group, index inside it) of a mask:
+      real q -> real k : r_k <= r_q                   (ordinary causal)
+      mask q -> real k : r_k <= j_q                   (G_j sees c_0, d_1..d_j)
+      mask q -> mask k : j_k == j_q and m_k <= m_q    (causal, own group only)
+      real q -> mask k : never
+    It is the training mask of §3 read one group at a time: G_j is a noisy block whose
+    clean context ends at d_j. The cached prefix is visible to every token (build_mask).
+
+    K = 2, g = 2 (rows = queries, columns = keys, x = may attend):
+
+                    c0 d1 d2   G0   G1   G2
+                               0 1  0 1  0 1
+      c0            x  .  .    . .  . .  . .
+      d1            x  x  .    . .  . .  . .
+      d2            x  x  x    . .  . .  . .
+      G0 mask 0     x  .  .    x .  . .  . .
+         mask 1     x  .  .    x x  . .  . .
+      G1 mask 0     x  x  .    . .  x .  . .
+         mask 1     x  x  .    . .  x x  . .
+      G2 mask 0     x  x  x    . .  . .  x .
+         mask 1     x  x  x    . .  . .  x x
+    """
+    n_real = 1 + n_drafts
+    i = torch.arange(n_real * (1 + group_size), device=device)
+    real = i < n_real
+    grp = torch.where(real, i, (i - n_real) // group_size)  # real: its index r; mask: its group j
+    rq, rk = real[:, None], real[None, :]  # (T, 1), (1, T)
+    causal = i[None, :] <= i[:, None]  # inside a group the masks are laid out in order
+    real_real = rq & rk & causal
+    mask_real = ~rq & rk & (grp[None, :] <= grp[:, None])  # r_k <= j_q
+    mask_mask = ~rq & ~rk & (grp[None, :] == grp[:, None]) & causal
+    return real_real | mask_real | mask_mask  # real q -> mask k: never

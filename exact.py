@@ -1,0 +1,184 @@
+"""Exact mode: the greedy AR output at several tokens per forward (MARS_SPEC §3, §5, §6).
+
+The τ rule of §5 trades accuracy for speed. Exact mode keeps the greedy AR output
+token for token and lets the model check its own mask predictions, in the manner of
+speculative decoding with the MARS model as its own drafter. The state of a row is
+a verified prefix P (in the KV cache), the next token c_0 (the AR argmax after P,
+hence already correct, emitted but not cached yet) and K drafts d_1..d_K (mask
+predictions for the tokens after c_0). One forward over
+
+    [c_0, d_1..d_K | G_0 | G_1 | .. | G_K]          (mars.exact_attention_mask)
+
+does three things at once:
+  verify  c_0, d_1..d_K are plain causal real tokens; the output at each is the exact
+          AR argmax of the following token. d_1..d_a are accepted while each equals
+          that argmax; the argmax after the last accepted token is the next c_0 (the
+          "bonus" token). The step emits d_1..d_a and the bonus: 1 + a tokens.
+  draft   group G_j holds g masks that see P, c_0, d_1..d_j and their own earlier
+          masks only; its mask m sits at position |P|+j+1+m (mask 0 at the position of
+          the next c_0) and, right-shifted as in §3/§5, predicts the token after that
+          position. So G_a, the group that saw exactly the accepted tokens, holds the
+          drafts for the tokens after the bonus (lookahead 2..g+1, as the noisy stream
+          of §3 is trained). With draft_threshold > 0 only a leading run of drafts whose
+          fp32 softmax probability is >= the threshold is kept, so fewer real tokens and
+          groups are forwarded next time.
+  cache   c_0, d_1..d_a were computed as real tokens on a verified prefix: their K/V
+          are committed (§6). The rejected drafts and every mask lie past `lengths`
+          and are overwritten by the next forward.
+
+Group size: g = K. Mask m's output depends (causally) on masks 0..m of its group
+only, so masks past the K-th cannot change the K drafts we read; K <= B because
+the model was trained on blocks of B masks (all B noisy outputs carry loss, §3), so
+B is a bound on K, not a count of masks to forward.
+
+The first forward is the prefill [prompt | K masks], plain causal: c_0 is the argmax
+at the last prompt token, G_0 gives the first drafts, and only the prompt is
+committed. It emits c_0, like the AR prefill. With every draft rejected, exact mode
+is plain AR: one token per forward.
+
+Batches: rows are right-padded; a row with fewer drafts than another gets pad tokens
+in its unused draft slots. Only tokens after a row's real drafts and groups G_j with
+j past its draft count see them, and their outputs are never read, so one (T, T) mask
+serves the batch. Finished rows idle (commit nothing).
+
+    generate_exact(model, prompts, block_size=4, drafts=4, max_new_tokens=256,
+                   mask_id=tok.mask_id, eos_ids=eos)  -> [Generation(ids, forwards), ...]
+"""
+
+import torch
+
+from generate import Step, check_request, collect, logits_at, pad_rows
+from kvcache import KVCache
+from mars import exact_attention_mask
+
+PAD = -1  # fills unused draft slots when comparing with argmaxes: never equals a token
+
+
+# ---------------------------------------------------------------- one step
+def step_input(c0, drafts, group_size, lengths, mask_id):
+    """The tokens (N, T), position ids (N, T) and mask (T, T) of one step, T = (1+k)(1+g).
+
+    c0: the pending token per row; drafts: per row a list of <= k drafts (k = the most
+    any row has); lengths (N,): the cached prefix length |P| of each row. Real token i
+    sits at position |P|+i, mask m of group j at |P|+j+1+m."""
+    k, device = max(map(len, drafts)), lengths.device
+    real = pad_rows([[c] + d for c, d in zip(c0, drafts)], mask_id, device)  # (N, 1+k)
+    masks = torch.full((len(c0), (1 + k) * group_size), mask_id, dtype=torch.long, device=device)
+    j = torch.arange(1 + k, device=device).repeat_interleave(group_size)  # group of each mask
+    m = torch.arange(group_size, device=device).repeat(1 + k)  # index inside the group
+    offsets = torch.cat([torch.arange(1 + k, device=device), j + 1 + m])  # (T,)
+    positions = lengths[:, None] + offsets  # (N, T)
+    return torch.cat([real, masks], 1), positions, exact_attention_mask(k, group_size, device)
+
+
+def verify(model, h, drafts):
+    """How many drafts each row accepts, and the bonus token after them (§5.2, c_0 rule).
+
+    h (N, T, C): the step's hidden states; the first 1+k are the real tokens, whose
+    outputs are the AR argmaxes of the tokens that follow them. -> a (N,), bonus (N,)."""
+    k = max(map(len, drafts))
+    ar = model.lm_head(h[:, : 1 + k]).float().argmax(-1)  # (N, 1+k): AR argmax after c_0, d_1, ..
+    if k == 0:
+        return torch.zeros_like(ar[:, 0]), ar[:, 0]
+    d = pad_rows(drafts, PAD, h.device)  # (N, k)
+    a = (d == ar[:, :k]).long().cumprod(1).sum(1)  # leading run of d_i == argmax after d_{i-1}
+    return a, ar.gather(1, a[:, None])[:, 0]
+
+
+def draft(logits, threshold):
+    """Mask logits (N, g, V) -> drafts per row: the argmaxes, cut before the first whose
+    fp32 softmax probability is below `threshold` (0 keeps all g)."""
+    logits = logits.float()
+    c = logits.argmax(-1)  # (N, g)
+    p = logits.softmax(-1).gather(-1, c[..., None])[..., 0]  # (N, g)
+    n = (p >= threshold).long().cumprod(1).sum(1)  # (N,)
+    return [row[:k] for row, k in zip(c.tolist(), n.tolist())]
+
+
+def group_logits(model, h, a, n_drafts, group_size):
+    """Logits (N, g, V) of group G_a of each row: the group that saw exactly the accepted
+    prefix. Groups start after the 1+k real tokens; the LM head runs on those g only."""
+    return logits_at(model, h, 1 + n_drafts + a * group_size, group_size)
+
+
+def keep_verified(cache, a, going):
+    """The cache update (§6): keep c_0, d_1..d_a of each row still generating; drop the
+    rest (rejected drafts and all masks lie past `lengths`, overwritten next time)."""
+    cache.commit(torch.where(going, 1 + a, torch.zeros_like(a)))
+
+
+# ---------------------------------------------------------------- the loop
+def emit(out, done, tokens, max_new, eos_ids):
+    """Append each generating row's new tokens to its output, stopping at max_new or just
+    after an EOS (what followed it is dropped, §5.6); a finished row gets nothing.
+    Updates out and done in place -> the tokens kept per row."""
+    kept = []
+    for b, toks in enumerate(tokens):
+        new = [] if done[b] else toks[: max_new - len(out[b])]
+        eos = next((i for i, t in enumerate(new) if t in eos_ids), None)
+        new = new if eos is None else new[: eos + 1]
+        out[b] += new
+        done[b] = done[b] or eos is not None or len(out[b]) >= max_new
+        kept.append(new)
+    return kept
+
+
+def check_exact(drafts, block_size, draft_threshold):
+    if not 1 <= drafts <= block_size:
+        raise ValueError(f"drafts must be in [1, block_size={block_size}] (the model was trained "
+                         f"on blocks of {block_size} masks), got {drafts}")
+    if not 0 <= draft_threshold <= 1:  # also rejects NaN
+        raise ValueError(f"draft_threshold must be in [0, 1], got {draft_threshold}")
+
+
+@torch.no_grad()
+def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),
+                draft_threshold=0.0):
+    """Decode a batch of prompts in exact mode, yielding a generate.Step per forward.
+
+    The tokens are exactly the greedy AR tokens (Step.tau is 1.0: the τ = 1 output).
+    drafts: K, the drafts per step and the masks per group (1 <= K <= block_size, the
+    B the model was trained with). A row stops after an EOS id or max_new_tokens;
+    finished rows idle while the others go on."""
+    check_request(model, prompts, block_size, 1.0, max_new_tokens, mask_id)
+    check_exact(drafts, block_size, draft_threshold)
+    K, eos_ids = drafts, tuple(eos_ids)
+    prompts = [list(map(int, p)) for p in prompts]
+    N, device = len(prompts), next(model.parameters()).device
+    cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + (1 + K) ** 2)
+    out, done = [[] for _ in range(N)], [False] * N
+
+    # prefill: [prompt | G_0] plain causal; commit the prompt only
+    lens = torch.tensor([len(p) for p in prompts], device=device)
+    h = model.hidden(pad_rows([p + [mask_id] * K for p in prompts], mask_id, device), cache=cache)
+    cache.commit(lens)
+    logits = logits_at(model, h, lens - 1, 1 + K)  # (N, 1+K, V): last prompt token, G_0
+    c0 = logits[:, 0].float().argmax(-1).tolist()
+    d = draft(logits[:, 1:], draft_threshold)
+    forwards = 1
+    new = emit(out, done, [[c] for c in c0], max_new_tokens, eos_ids)
+    yield Step(new, list(done), forwards, 1.0)
+
+    while not all(done):
+        # drafts past the budget could never be emitted: do not forward them
+        d = [[] if done[b] else d[b][: max_new_tokens - len(out[b]) - 1] for b in range(N)]
+        tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
+        h = model.hidden(tokens, positions, mask, cache)  # (N, T, C)
+        forwards += 1
+        a, bonus = verify(model, h, d)
+        d_next = draft(group_logits(model, h, a, max(map(len, d)), K), draft_threshold)
+        emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
+        new = emit(out, done, emitted, max_new_tokens, eos_ids)
+        keep_verified(cache, a, ~torch.tensor(done, device=device))
+        c0, d = bonus.tolist(), d_next
+        yield Step(new, list(done), forwards, 1.0)
+
+
+def generate_exact(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),
+                   draft_threshold=0.0):
+    """Exact-mode decode a batch of prompts -> list of `Generation` (ids, forwards), one per
+    prompt; ids equal greedy AR decoding (generate.generate_ar) token for token."""
+    steps = exact_steps(model, prompts, block_size=block_size, drafts=drafts,
+                        max_new_tokens=max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
+                        draft_threshold=draft_threshold)
+    return collect(steps, len(prompts))
