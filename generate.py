@@ -447,6 +447,19 @@ class Printer:
         print(piece, end="", flush=True)
 
 
+def decode_steps(model, prompts, args, tau, mask_id, eos_ids):
+    """The step generator the command line asks for: MARS τ-gated, or --exact."""
+    if args.exact:
+        from exact import exact_steps  # exact.py builds on this file
+
+        return exact_steps(model, prompts, block_size=args.block_size,
+                           drafts=args.drafts or args.block_size, max_new_tokens=args.max_new_tokens,
+                           mask_id=mask_id, eos_ids=eos_ids, draft_threshold=args.draft_threshold)
+    return mars_steps(model, prompts, block_size=args.block_size, tau=tau,
+                      max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
+                      cache=args.cache, block_cache_size=args.block_cache_size)
+
+
 def chat(model, tok, args, mask_id, eos_ids):
     """Interactive chat; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
     knob, messages = Knob(args.tau), []
@@ -474,9 +487,7 @@ def chat(model, tok, args, mask_id, eos_ids):
         messages.append({"role": "user", "content": line})
         try:
             ids = tok.encode_chat(messages, add_generation_prompt=True)
-            steps = mars_steps(model, [ids], block_size=args.block_size, tau=knob,
-                               max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
-                               cache=args.cache, block_cache_size=args.block_cache_size)
+            steps = decode_steps(model, [ids], args, knob, mask_id, eos_ids)
             t0, printer, step = time.perf_counter(), Printer(tok, eos_ids, sys.stdout.isatty()), None
             for step in steps:
                 printer.add(step.tokens[0])
@@ -505,6 +516,11 @@ def parse_args(argv=None):
     p.add_argument("--cache", choices=CACHE_MODES, default="window")
     p.add_argument("--block-cache-size", type=int, help=f"B_cache of --cache block "
                    f"(default {DEFAULT_BLOCK_CACHE})")
+    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the greedy AR "
+                   "output, with mask drafts verified in the same forward; --tau is not used")
+    p.add_argument("--drafts", type=int, help="K of --exact: drafts per step (default: --block-size)")
+    p.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -532,9 +548,7 @@ def run(args):
     if args.chat:
         return chat(model, tok, args, mask_id, eos_ids)
     t0 = time.perf_counter()
-    results = generate(model, prompts, block_size=args.block_size, tau=args.tau,
-                       max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
-                       cache=args.cache, block_cache_size=args.block_cache_size)
+    results = collect(decode_steps(model, prompts, args, args.tau, mask_id, eos_ids), len(prompts))
     dt = time.perf_counter() - t0
     for r in results:
         record = {"ids": r.ids, "forwards": r.forwards,
