@@ -1,20 +1,27 @@
 """Wall-clock benchmark of MARS decoding against AR decoding (MARS_SPEC §6-7). Not a test.
 
 On the same weights and machine, in one run, medians of --repeats timed runs:
-  1. batch 1: our AR decoder (KV cache) vs transformers' `generate` (greedy, its cache);
-  2. batch 1: MARS, sliding-window cache, vs our AR decoder;
-  3. batch 4/8/16: MARS, block cache, (and window cache) vs our AR decoder, batched.
-tokens/s counts generated tokens of all rows; tokens/forward is generated tokens over
-model forwards (summed over rows). The paper reports 1.34-1.71x for the block cache at
-batch 4-16 on a 7B model and a GPU; a random model is rarely confident, so without
---ckpt (a random, deliberately peaked tiny model is built) the numbers only measure
-the machinery's overhead.
+  1. batch 1: our AR decoder (KV cache) vs transformers' `generate` (greedy, its cache) and
+     transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`, a draft-free
+     speculative decoder: the peer MARS competes with), then MARS, sliding-window cache;
+  2. each batch size: MARS with the block cache for each B_cache (and the window cache) vs
+     our AR decoder, batched.
+Each MARS row is repeated for every τ of --taus. tokens/s counts generated tokens of all
+rows; tokens/forward is generated tokens over model forwards (summed over rows; for
+transformers, its forward calls, counted by a hook). The paper reports 1.34-1.71x for the
+block cache at batch 4-16 on a 7B model and a GPU (§7). A random model is rarely confident,
+so without --ckpt (a random, deliberately peaked tiny model is built) the numbers only
+measure the machinery's overhead; --data-dir takes the prompts from the synthetic test set.
 
   python bench_generate.py                       # random model, CPU
+  python bench_generate.py --ckpt out/default/mars --data-dir data/default --taus 1,0.95,0.9,0.7 \\
+      --block-cache-sizes 4,8,16,32,64 --batch-sizes 4,8,16
   python bench_generate.py --ckpt out/mars --device cuda --dtype bfloat16
 """
 
 import argparse
+import os
+import platform
 import statistics
 import tempfile
 import time
@@ -22,7 +29,7 @@ from functools import partial
 
 import torch
 
-from generate import checkpoint_eos_ids, generate, generate_ar, load_tokenizer
+from generate import Generation, checkpoint_eos_ids, generate, generate_ar, load_tokenizer
 from model import Qwen2, Qwen2Config, init_weights
 
 QUESTIONS = [
@@ -45,11 +52,18 @@ def random_checkpoint(path, seed=0):
     return path
 
 
-def make_prompts(tok, vocab_size, mask_id, n, seed=0):
-    """n prompts: chat-templated questions with a tokenizer, else random ids (32-48 tokens)."""
-    if tok is not None:
-        return [tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+def make_prompts(tok, vocab_size, mask_id, n, seed=0, data_dir=None):
+    """n prompts: the first n test problems of data_dir (data/synthetic.py), else chat-templated
+    questions with a tokenizer, else random ids (32-48 tokens)."""
+    if tok is not None and data_dir:
+        from data.synthetic import read_jsonl
+
+        probs = read_jsonl(os.path.join(data_dir, "test.jsonl"))
+        return [tok.encode_chat(probs[i % len(probs)]["messages"][:-1], add_generation_prompt=True)
                 for i in range(n)]
+    if tok is not None:
+        return [tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                add_generation_prompt=True) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(32, 49, (n,), generator=g).tolist()
     return [[t for t in torch.randint(0, vocab_size, (L,), generator=g).tolist() if t != mask_id] or [1]
@@ -75,41 +89,68 @@ def timed(fn, repeats, device):
     return dt, sum(len(g.ids) for g in out), sum(g.forwards for g in out)
 
 
-def hf_runner(ckpt, dtype, device, prompts, max_new, eos_ids):
-    """transformers' greedy generate on the same weights (the reference baseline)."""
+def hf_runner(ckpt, dtype, device, prompt, max_new, eos_ids, lookup=0):
+    """transformers' greedy generate on the same weights, batch 1 (the reference baseline);
+    lookup > 0: its prompt-lookup decoding with that many draft tokens per step."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers.utils import logging
 
-    from generate import Generation
+    logging.disable_progress_bar()
     hf = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    calls = [0]
+    hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, pad_token_id=0,
-                          eos_token_id=list(eos_ids) or None)
-    ids = torch.tensor(prompts, device=device)
+                          eos_token_id=list(eos_ids) or None, **extra)
+    ids = torch.tensor([prompt], device=device)
 
     @torch.no_grad()
     def run():
+        calls[0] = 0
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)
         gen = out[0, ids.shape[1]:].tolist()
         gen = gen[: next((i + 1 for i, t in enumerate(gen) if t in eos_ids), len(gen))]
-        return [Generation(gen, len(gen))]  # HF: one forward per token
+        return [Generation(gen, calls[0])]
     return run
 
 
 def row(name, dt, n, forwards, base=None):
     speed = f"{(n / dt) / base:6.2f}x" if base else "      -"
-    print(f"  {name:<34} {n / dt:10.1f} tok/s {speed}   {n / forwards:5.2f} tok/forward   "
-          f"({n} tokens, {dt:.3f}s)")
+    print(f"  {name:<36} {n / dt:10.1f} tok/s {speed}   {n / max(forwards, 1):5.2f} tok/forward   "
+          f"({n} tokens, {dt:.3f}s)", flush=True)
     return n / dt
+
+
+def machine(device):
+    """One line naming the hardware and software the numbers were measured on."""
+    hw = torch.cuda.get_device_name(device) if device.startswith("cuda") else (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    return (f"machine: {device} ({hw}), torch {torch.__version__} with {torch.get_num_threads()} "
+            f"thread(s), Python {platform.python_version()}, {platform.platform()}")
+
+
+def floats(text):
+    return [float(x) for x in text.split(",")]
+
+
+def ints(text):
+    return [int(x) for x in text.split(",")]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="HF-layout checkpoint (default: build a random tiny model)")
-    p.add_argument("--tau", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--block-cache-size", type=int, default=32)
+    p.add_argument("--data-dir", help="take the prompts from DIR/test.jsonl (synthetic test set)")
+    p.add_argument("--taus", "--tau", type=floats, default=[0.9], help="τ values, comma-separated")
+    p.add_argument("--block-size", type=int, default=None, help="B (default: the checkpoint's, else 4)")
+    p.add_argument("--block-cache-sizes", "--block-cache-size", type=ints, default=[32],
+                   help="B_cache values of the block cache, comma-separated (e.g. 4,8,16,32,64)")
+    p.add_argument("--prompt-lookup", type=int, default=10,
+                   help="draft tokens of transformers' prompt-lookup decoding (0 = skip it)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-sizes", default="4,8,16")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", type=ints, default=[4, 8, 16])
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median), after a warm-up")
+    p.add_argument("--no-window", action="store_true", help="skip the batched window-cache rows")
     p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -118,35 +159,47 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix="bench_mars_"))
-    dtype = getattr(torch, args.dtype)
-    model = Qwen2.from_pretrained(ckpt, dtype, args.device).eval()
+    dtype, dev = getattr(torch, args.dtype), args.device
+    model = Qwen2.from_pretrained(ckpt, dtype, dev).eval()
     tok = load_tokenizer(ckpt)
     mask_id = args.mask_id if args.mask_id is not None else (
         tok.mask_id if tok is not None else model.config.vocab_size - 1)
-    eos_ids = checkpoint_eos_ids(ckpt, tok)
-    n_new, B, tau, reps = args.max_new_tokens, args.block_size, args.tau, args.repeats
-    mars = lambda ps, cache: lambda: generate(
-        model, ps, block_size=B, tau=tau, max_new_tokens=n_new, mask_id=mask_id, eos_ids=eos_ids,
-        cache=cache, block_cache_size=args.block_cache_size)
-    print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.1f}M params, "
-          f"{args.device} {args.dtype}, threads {torch.get_num_threads()}; tau={tau} B={B} "
-          f"B_cache={args.block_cache_size} max_new_tokens={n_new} eos={list(eos_ids)} "
-          f"median of {reps}")
+    if args.block_size is None:
+        from evaluate import mars_settings
 
-    one = make_prompts(tok, model.config.vocab_size, mask_id, 1)
+        args.block_size = mars_settings(ckpt).get("block_size", 4)
+    eos_ids = checkpoint_eos_ids(ckpt, tok)
+    n_new, B, reps = args.max_new_tokens, args.block_size, args.repeats
+    prompts_of = lambda n: make_prompts(tok, model.config.vocab_size, mask_id, n, data_dir=args.data_dir)
+    mars = lambda ps, tau, cache, bc=None: lambda: generate(
+        model, ps, block_size=B, tau=tau, max_new_tokens=n_new, mask_id=mask_id, eos_ids=eos_ids,
+        cache=cache, block_cache_size=bc)
+    print(machine(dev))
+    print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.2f}M params, "
+          f"{args.dtype}; prompts {'from ' + args.data_dir if args.data_dir else 'built in'}; B={B} "
+          f"taus={args.taus} B_cache={args.block_cache_sizes} max_new_tokens={n_new} eos={list(eos_ids)}; "
+          f"median of {reps} runs")
+
+    one = prompts_of(1)
     print("batch 1")
-    ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, one, n_new, eos_ids), reps, args.device))
-    row("HF generate (greedy)", *timed(hf_runner(ckpt, dtype, args.device, one, n_new, eos_ids), reps,
-                                       args.device), base=ar)
-    row(f"MARS window tau={tau}", *timed(mars(one, "window"), reps, args.device), base=ar)
-    for bs in map(int, args.batch_sizes.split(",")):
-        prompts = make_prompts(tok, model.config.vocab_size, mask_id, bs)
+    ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, one, n_new, eos_ids), reps, dev))
+    hf = lambda k: hf_runner(ckpt, dtype, dev, one[0], n_new, eos_ids, lookup=k)
+    row("HF generate (greedy)", *timed(hf(0), reps, dev), base=ar)
+    if args.prompt_lookup:
+        row(f"HF prompt lookup ({args.prompt_lookup} drafts)", *timed(hf(args.prompt_lookup), reps, dev),
+            base=ar)
+    for tau in args.taus:
+        row(f"MARS window tau={tau}", *timed(mars(one, tau, "window"), reps, dev), base=ar)
+    for bs in args.batch_sizes:
+        prompts = prompts_of(bs)
         print(f"batch {bs}")
-        ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, prompts, n_new, eos_ids), reps,
-                                              args.device))
-        row(f"MARS block tau={tau} B_cache={args.block_cache_size}",
-            *timed(mars(prompts, "block"), reps, args.device), base=ar)
-        row(f"MARS window tau={tau}", *timed(mars(prompts, "window"), reps, args.device), base=ar)
+        ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, prompts, n_new, eos_ids), reps, dev))
+        for tau in args.taus:
+            for bc in args.block_cache_sizes:
+                row(f"MARS block tau={tau} B_cache={bc}", *timed(mars(prompts, tau, "block", bc), reps, dev),
+                    base=ar)
+            if not args.no_window:
+                row(f"MARS window tau={tau}", *timed(mars(prompts, tau, "window"), reps, dev), base=ar)
 
 
 if __name__ == "__main__":

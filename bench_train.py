@@ -1,0 +1,146 @@
+"""Training step cost of MARS against plain AR SFT (MARS_SPEC §3, §7). Not a test.
+
+A MARS step forwards [clean | noisy], 2l tokens per row of l, so its cost per step is
+about twice AR SFT's: the projections and MLP double, attention over 2l is up to 4x but
+small at these lengths, and the LM head runs on the loss targets only (twice: once per
+stream, once with w_ar = 0). The paper reports about 2x the AR SFT time and about 1.5x
+its peak memory (§7). Both modes run the same rows (the AR stage's first steps of
+train.py), the same optimizer and code path (train.StageLoss); a step is forward +
+backward + clip + AdamW, timed as the median of --steps steps after --warmup steps.
+tokens/s counts the real tokens of the rows (padding excluded), as train.py logs.
+
+    python bench_train.py                                # the default tiny config, CPU
+    python bench_train.py --n_layer=8 --n_embd=256 --block_size=8 --modes=ar,mars,mars-noar
+    python bench_train.py --config configs/qwen2.5-0.5b-24gb.json --init_from=DIR --data_dir=DIR
+
+Every train.py setting (`--key=value`, `--config FILE`) applies; its data set is used
+(data/default is built if absent). Peak memory is reported on CUDA.
+"""
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+
+import train
+from data.prepare import load_npz
+from model import Qwen2, Qwen2Config, init_weights
+
+MODES = {  # name -> (train.py stage, setting overrides)
+    "ar": ("ar", {}),
+    "mars": ("mars", {}),
+    "mars-noar": ("mars", {"w_ar": 0.0}),
+    "bidir": ("mars", {"bidirectional": True}),
+}
+
+
+def build_model(S, tok, ids):
+    """The model train.py would start from: the scratch config of S, or init_from."""
+    if S.init_from != "scratch":
+        return Qwen2.from_pretrained(S.init_from)
+    cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(ids.values()) + 1),
+                      hidden_size=S.n_embd, intermediate_size=S.intermediate, num_hidden_layers=S.n_layer,
+                      num_attention_heads=S.n_head, num_key_value_heads=S.n_kv_head,
+                      max_position_embeddings=2 * S.max_len + 64, eos_token_id=ids["eos"])
+    return init_weights(Qwen2(cfg), S.init_std, S.seed)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_mode(model0, S, stage, data, ids, device, steps, warmup):
+    """Median seconds per optimizer step, real tokens per step, CUDA peak bytes (or None)."""
+    model = copy.deepcopy(model0).to(device)
+    model.gradient_checkpointing = S.gradient_checkpointing
+    net = train.StageLoss(model, S, ids["mask"])
+    net.stage = stage
+    opt = train.make_optimizer(net, S, device)
+    dtype_name = S.dtype if S.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    amp = torch.autocast(device.type, dtype=getattr(torch, dtype_name)) if dtype_name != "float32" \
+        else nullcontext()
+    runner = torch.compile(net) if S.compile else net
+    accum, mb = S.batch_size // S.micro_batch_size, S.micro_batch_size
+    n_train = len(data["offsets"]) - 1
+    times, tokens = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(warmup + steps):
+        rows = train.step_rows(n_train, S.batch_size, S.seed, "ar", step)  # same rows for every mode
+        batches = [train.make_batch(data, rows[m * mb:(m + 1) * mb], S, ids, device) for m in range(accum)]
+        sync(device)
+        t0 = time.perf_counter()
+        for x, y, _ in batches:
+            with amp:
+                loss = runner(x, y)[0]
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            tokens.append(sum(n for *_, n in batches))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del model, net, opt, runner
+    return statistics.median(times), statistics.mean(tokens), peak
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Any other --key=value is a train.py setting (see train.Settings).")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--modes", default="ar,mars", help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    a, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    modes = a.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    S = train.parse_settings(rest)
+    if not os.path.isfile(os.path.join(S.data_dir, "train.npz")):
+        if S.data_dir != train.Settings.data_dir:
+            raise SystemExit(f"{S.data_dir}: no train.npz (make it with data/prepare.py)")
+        from data.synthetic import build_default
+
+        print(f"building the default data set in {S.data_dir}")
+        build_default(S.data_dir, S.seed)
+    data = load_npz(os.path.join(S.data_dir, "train.npz"))
+    tok, ids = train.special_ids(S)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if S.device == "auto" else S.device)
+    model0 = build_model(S, tok, ids)
+    cfg = model0.config
+    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"machine: {device} ({hw}), torch {torch.__version__} with {torch.get_num_threads()} thread(s), "
+          f"{platform.platform()}")
+    print(f"model: {model0.num_params() / 1e6:.2f}M params ({cfg.num_hidden_layers} layers, width "
+          f"{cfg.hidden_size}, vocab {cfg.vocab_size}); data {S.data_dir}; batch {S.batch_size} rows "
+          f"(micro {S.micro_batch_size}); B={S.block_size}; dtype {S.dtype}; median of {a.steps} steps "
+          f"after {a.warmup}")
+    print(f"  {'mode':<10} {'ms/step':>9} {'x AR':>6} {'tokens/s':>10} {'us/token':>9} {'x AR':>6}"
+          + ("   peak GiB   x AR" if device.type == "cuda" else ""))
+    base = None
+    for m in modes:
+        stage, over = MODES[m]
+        dt, n_tok, peak = bench_mode(model0, replace(S, **over), stage, data, ids, device, a.steps, a.warmup)
+        base = base or (dt, dt / n_tok, peak)
+        mem = f"   {peak / 2**30:8.3f}  {peak / base[2]:5.2f}" if peak is not None else ""
+        print(f"  {m:<10} {1000 * dt:9.1f} {dt / base[0]:6.2f} {n_tok / dt:10.0f} {1e6 * dt / n_tok:9.2f} "
+              f"{dt / n_tok / base[1]:6.2f}{mem}", flush=True)
+    print(f"  (x AR: against the first of --modes, {modes[0]})")
+
+
+if __name__ == "__main__":
+    main()

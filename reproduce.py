@@ -1,0 +1,370 @@
+"""Reproduce the paper in miniature, from scratch, on a CPU: one command (MARS_SPEC §4, §5, §7).
+
+Trains every variant the paper compares on the default tiny setup (configs/default.json:
+a tiny Qwen2 and the synthetic data of data/synthetic.py), evaluates each, runs the
+benchmarks and writes results/: RESULTS.md (tables shaped like the paper's, with its
+numbers beside ours, and the commands), one JSON per variant, tau_sweep.png, mask.png.
+With A = ar_steps and M = mars_steps of the config (times --steps-scale):
+
+  ar_stage   AR SFT, A steps: the start of every MARS run                    (τ = 1)
+  ar_sft     AR SFT for A + M steps: the paper's fair baseline               (τ = 1)
+  mars_bB    MARS, B = 4 (the default run), 8, 16: M steps from ar_stage     (τ sweep)
+  noar_bB    the same without L_AR (w_ar = 0)                                (τ sweep)
+  bidir_b4   Block-Diffusion style: bidirectional inside a block, B = 4      (τ sweep)
+
+mars_b4 is what `python train.py` does (its MARS stage starts from the AR stage's weights
+with a fresh optimizer either way). Resumable: a variant whose checkpoint and results JSON
+exist is skipped, a killed training run continues from its last checkpoint. Checkpoints go
+to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
+tokenizer sources, so a changed setting or source never reuses stale weights.
+
+    python reproduce.py --quick    # A, M / 4, 100 test problems: about 25 min on 2 CPU cores
+    python reproduce.py            # the full run: about 1.5 hours on 2 CPU cores (A = M = 1000)
+    python reproduce.py --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import train
+from data.synthetic import FAMILIES, read_jsonl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # the paper's sweep (§5)
+TRAIN_SOURCES = ("train.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py", "data/synthetic.py",
+                 "data/prepare.py")
+EVAL_SOURCES = ("evaluate.py", "generate.py", "kvcache.py")
+FAMILY_COLS = FAMILIES  # data/synthetic.py
+# MARS_SPEC §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
+PAPER_ONE_TOKEN = {"ar_sft": "28.7 / 56.6", "mars_b4": "30.4 / 58.1"}
+PAPER_B = {4: ("30.4", "28.4"), 8: ("29.7", "26.4"), 16: ("29.7", "22.2")}
+PAPER_MULTI = {"mars_b4": "0.5B: −1.4 at 1.46; 7B: −1.3 at 1.68", "mars_b8": "7B: 1.82 tok/fwd",
+               "mars_b16": "7B: 1.87 tok/fwd"}
+PAPER_SWEEP = {1.0: (73.2, 1.00), 0.95: (71.0, 1.79), 0.9: (70.3, 1.96), 0.8: (67.7, 2.19),
+               0.7: (63.8, 2.37), 0.6: (60.3, 2.55), 0.5: (56.0, 2.77)}
+PAPER_BD = {"mars_b4": "30.4", "bidir_b4": "22.8 (BBH 7.5)"}
+
+
+def digest(paths, extra=""):
+    """A short hash of `extra` and the content of those of `paths` that exist."""
+    h = hashlib.sha256(extra.encode())
+    for p in (p for p in paths if os.path.isfile(os.path.join(HERE, p))):
+        with open(os.path.join(HERE, p), "rb") as f:
+            h.update(p.encode() + f.read())
+    return h.hexdigest()[:8]
+
+
+def variants(A, M, root):
+    """[{name, label, steps, train: settings, ckpt, taus}] in run order."""
+    from_ar = {"init_from": f"{root}/ar_stage/ar", "ar_steps": 0, "mars_steps": M}
+    vs = [{"name": "ar_stage", "label": "AR stage alone", "steps": f"{A}",
+           "train": {"ar_steps": A, "mars_steps": 0}, "stage": "ar", "taus": (1.0,)}]
+    for B in (4, 8, 16):
+        vs.append({"name": f"mars_b{B}", "label": f"MARS B={B}", "train": {**from_ar, "block_size": B}})
+        if B == 4:
+            vs.append({"name": "ar_sft", "label": "AR SFT (same total steps)", "steps": f"{A + M}",
+                       "train": {"ar_steps": A + M, "mars_steps": 0}, "stage": "ar", "taus": (1.0,)})
+    vs += [{"name": f"noar_b{B}", "label": f"MARS B={B} w/o L_AR",
+            "train": {**from_ar, "block_size": B, "w_ar": 0.0}} for B in (4, 8, 16)]
+    vs.append({"name": "bidir_b4", "label": "Block-Diffusion style B=4",
+               "train": {**from_ar, "block_size": 4, "bidirectional": True}})
+    for v in vs:
+        v.setdefault("steps", f"{A}+{M}")
+        v["ckpt"] = f"{root}/{v['name']}/{v.get('stage', 'mars')}"
+    return vs
+
+
+def arg(k, v):
+    return f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+
+
+def shown(cmd):
+    """The command as RESULTS.md shows it: `$ python script.py ...`."""
+    return "$ " + " ".join(["python", *cmd[1:]])
+
+
+def run(cmd, env, log=None):
+    """Run a command in the repo, its output shown (and copied to `log`); False on failure."""
+    print("$ " + " ".join(cmd), flush=True)
+    if log is None:
+        return subprocess.run(cmd, cwd=HERE, env=env).returncode == 0
+    p = subprocess.run(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True)
+    print(p.stdout, end="", flush=True)
+    with open(log, "w") as f:
+        f.write(shown(cmd) + "\n" + p.stdout)
+    return p.returncode == 0
+
+
+def load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def first_line(path):
+    try:
+        with open(path) as f:
+            return f.readline().rstrip("\n")
+    except OSError:
+        return None
+
+
+def save_json(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+# ----------------------------------------------------------------------------- RESULTS.md
+def res(results, name, tau):
+    """The eval record of variant `name` at τ, or None."""
+    r = results.get(name)
+    return r["results"].get(str(float(tau))) if r else None
+
+
+def fmt(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+
+def write_results(R, results, meta, cmds):
+    acc = lambda n, t=1.0: (res(results, n, t) or {}).get("accuracy")
+    tpf = lambda n, t: (res(results, n, t) or {}).get("tokens_per_forward")
+    fam = lambda n, f: (res(results, n, 1.0) or {}).get("per_family", {}).get(f)
+    label = lambda n: results[n]["label"] if n in results else n
+    steps = lambda n: results[n]["steps"] if n in results else "–"
+    L = [f"# MARS in miniature: results ({meta['mode']})", "",
+         f"Written by `python reproduce.py{meta['argv']}` on {meta['date']}, {meta['machine']}; "
+         f"{meta['minutes']:.0f} min for the runs made by that call. Model and data: "
+         f"`{meta['config']}` (a tiny Qwen2 trained from scratch on the synthetic tasks of "
+         f"data/synthetic.py), A = {meta['A']} AR steps, M = {meta['M']} MARS steps; accuracy in % on "
+         f"{meta['n_test']} held-out test problems, greedy. The paper's numbers are Qwen2.5-0.5B / 7B on "
+         "real benchmarks (MARS_SPEC §7): compare directions and shapes, not magnitudes.", "",
+         f"Checkpoints, training logs and loss curves: `{meta['root']}/<variant>/` (log.jsonl, loss.png).",
+         "", "## One-token mode (τ = 1): does MARS keep AR quality?", ""]
+    L += table(["model", "steps", "accuracy", *FAMILY_COLS, "paper avg 0.5B / 7B"],
+               [[label(n), steps(n), fmt(acc(n)), *(fmt(fam(n, f), ".0f") for f in FAMILY_COLS),
+                 PAPER_ONE_TOKEN.get(n, "–")] for n in ("ar_stage", "ar_sft", "mars_b4")])
+    L += ["", "## Block size, with and without L_AR (τ = 1)", ""]
+    L += table(["B", "with L_AR", "w/o L_AR", "paper with (0.5B)", "paper w/o (0.5B)"],
+               [[B, fmt(acc(f"mars_b{B}")), fmt(acc(f"noar_b{B}")), *PAPER_B[B]] for B in (4, 8, 16)])
+    L += ["", "## Multi-token mode, τ = 0.95", ""]
+    names = [n for n in ("mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8", "noar_b16", "bidir_b4")]
+    rows = []
+    for n in names:
+        a1, a95 = acc(n), acc(n, 0.95)
+        d = None if a1 is None or a95 is None else a95 - a1
+        rows.append([label(n), fmt(a1), fmt(a95), fmt(d, "+.1f"), fmt(tpf(n, 0.95), ".2f"),
+                     PAPER_MULTI.get(n, "–")])
+    L += table(["variant", "acc τ=1", "acc τ=0.95", "Δ", "tokens/forward", "paper Δ at tokens/forward"], rows)
+    L += ["", "## τ sweep: accuracy / tokens per forward", ""]
+    sweep = ("mars_b4", "mars_b8", "mars_b16")
+    L += table(["τ", *(label(n) for n in sweep), "paper 7B GSM8K B=4"],
+               [[t, *(f"{fmt(acc(n, t))} / {fmt(tpf(n, t), '.2f')}" for n in sweep),
+                 "{} / {:.2f}".format(*PAPER_SWEEP[t]) if t in PAPER_SWEEP else "–"] for t in meta["taus"]])
+    L += ["", "![accuracy against tokens per forward](tau_sweep.png)", "",
+          "## Block-Diffusion style (bidirectional in a block) against MARS, B = 4", ""]
+    L += table(["variant", "acc τ=1", *FAMILY_COLS, "acc τ=0.95", "tokens/forward τ=0.95", "paper avg 0.5B"],
+               [[label(n), fmt(acc(n)), *(fmt(fam(n, f), ".0f") for f in FAMILY_COLS), fmt(acc(n, 0.95)),
+                 fmt(tpf(n, 0.95), ".2f"), PAPER_BD[n]] for n in ("mars_b4", "bidir_b4")])
+    benches = [("Training cost (bench_train.py)", "bench_train.txt",
+                "Paper: about 2x the AR SFT time and about 1.5x its peak memory."),
+               ("Decoding speed (bench_generate.py)", "bench_generate.txt",
+                "Paper (7B, GSM8K, τ = 0.95, vs AR with KV cache): no cache 0.90x/0.49x/0.23x at batch "
+                "4/8/16; block cache best 1.71x (B_cache 32, batch 4), 1.60x (batch 8), 1.34x (B_cache 16, "
+                "batch 16). On a CPU and a 1M-parameter model a forward is cheap and overheads dominate."),
+               ("Exact mode (bench_exact.py)", "bench_exact.txt",
+                "Exact mode's output equals AR greedy decoding token for token (exact.py).")]
+    for title, name, note in benches:
+        if os.path.isfile(os.path.join(R, name)):
+            with open(os.path.join(R, name)) as f:
+                L += ["", f"## {title}", "", note, "", "```", f.read().rstrip(), "```"]
+    L += ["", "## The attention masks", "", "![MARS attention masks](mask.png)", "", "## Commands", "",
+          f"Everything above: `python reproduce.py{meta['argv']}`. It ran:", "", "```"]
+    L += cmds + ["```", "", "## Time per variant (seconds, this machine)", ""]
+    L += table(["variant", "train", "evaluate"], [[label(n), fmt(results[n].get("train_s"), ".0f"),
+                                                    fmt(results[n].get("eval_s"), ".0f")] for n in results])
+    with open(os.path.join(R, "RESULTS.md"), "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def plot_sweep(R, results):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = {4: "tab:blue", 8: "tab:orange", 16: "tab:green"}
+    for n, r in results.items():
+        pts = [(v["tokens_per_forward"], v["accuracy"], t) for t, v in r["results"].items()]
+        if n.startswith(("mars", "noar", "bidir")):
+            B = int(n.rsplit("_b", 1)[1])
+            style = "-" if n.startswith("mars") else "--" if n.startswith("noar") else ":"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=r["label"],
+                    color="tab:purple" if n.startswith("bidir") else colours[B])
+            if n == "mars_b4":
+                for x, y, t in pts:
+                    ax.annotate(f"τ={t}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        else:
+            ax.plot(pts[0][0], pts[0][1], "*", ms=10, color="k" if n == "ar_sft" else "0.6", label=r["label"])
+    ax.set(xlabel="tokens per forward", ylabel="accuracy (%)", title="τ sweep: accuracy against speed-up")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(R, "tau_sweep.png"), dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the run
+def run_variant(v, P, eval_key, env, old):
+    """Train (unless its checkpoint exists) and evaluate one variant -> its results record."""
+    n, ckpt, t0 = v["name"], v["ckpt"], time.time()
+    train_s = old.get("train_s") if old and old.get("ckpt") == ckpt else None
+    if not os.path.isfile(f"{ckpt}/model.safetensors"):  # train.py resumes a killed run itself
+        if not run(v["train_cmd"], env):
+            raise SystemExit(f"{n}: training failed; fix it and re-run (finished variants are kept)")
+        train_s = time.time() - t0
+    t1, tmp = time.time(), f"{P['R']}/{n}.eval.tmp"
+    if not run(v["eval_cmd"] + [f"--json={tmp}"], env):
+        raise SystemExit(f"{n}: evaluation failed; fix it and re-run (finished variants are kept)")
+    ev = load_json(tmp)
+    os.remove(tmp)
+    return {"name": n, "label": v["label"], "steps": v["steps"], "ckpt": ckpt, "eval_key": eval_key,
+            "train_command": " ".join(v["train_cmd"][1:]), "eval_command": " ".join(v["eval_cmd"][1:]),
+            "limit": P["limit"], "train_s": train_s, "eval_s": time.time() - t1,
+            "results": {str(float(t)): r for t, r in ev.items()}}
+
+
+def bench_commands(P, ckpt, quick):
+    """The benchmark commands: training cost, decoding speed, exact mode (if bench_exact.py exists)."""
+    py, q = sys.executable, quick
+    return {
+        "bench_train": [py, "bench_train.py", f"--config={P['config']}", f"--data_dir={P['data_dir']}",
+                        f"--steps={5 if q else 10}", "--modes=ar,mars,mars-noar,bidir"],
+        "bench_generate": [py, "bench_generate.py", f"--ckpt={ckpt}", f"--data-dir={P['data_dir']}",
+                           f"--taus={'0.95' if q else '1.0,0.95,0.9,0.7'}",
+                           f"--block-cache-sizes={'4,16,64' if q else '4,8,16,32,64'}",
+                           f"--batch-sizes={'4,16' if q else '4,8,16'}", "--max-new-tokens=96",
+                           f"--repeats={2 if q else 5}"],
+        "bench_exact": [py, "bench_exact.py", f"--ckpt={ckpt}", "--block-sizes=4", "--drafts=2,3",
+                        "--batch-sizes=1,4", "--tau=0.95", "--max-new-tokens=96",
+                        f"--repeats={2 if q else 3}"],
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n")[-1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="steps x 0.25, 100 test problems, small benchmarks")
+    p.add_argument("--steps-scale", type=float, help="multiply the config's ar_steps, mars_steps (default 1)")
+    p.add_argument("--limit", type=int, help="test problems per evaluation (default all)")
+    p.add_argument("--taus", default=",".join(map(str, TAUS)))
+    p.add_argument("--config", default="configs/default.json")
+    p.add_argument("--out", default="out/reproduce", help="checkpoints go to OUT/<A>+<M>-<hash>/")
+    p.add_argument("--results", default="results", help="paths are relative to the repository root")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (a 1M-parameter model gains little from more, and "
+                        "threads contend badly on a shared machine)")
+    p.add_argument("--only", help="comma-separated variants to run (the AR stage is always run)")
+    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    a = p.parse_args(argv)
+    os.chdir(HERE)  # every path is relative to the repository
+    t_start, py, argv = time.time(), sys.executable, sys.argv[1:] if argv is None else argv
+    since = lambda: f"{(time.time() - t_start) / 60:.1f} min so far"
+    scale = a.steps_scale if a.steps_scale is not None else 0.25 if a.quick else 1.0
+    limit = a.limit if a.limit is not None else 100 if a.quick else None
+    taus = [float(t) for t in a.taus.split(",")]
+    S = train.parse_settings([f"--config={a.config}"])
+    if S.epochs > 0:
+        raise SystemExit(f"{a.config}: epochs={S.epochs:g}; reproduce.py scales ar_steps and mars_steps, "
+                         "so use a config with epochs=0")
+    A, M = max(1, round(S.ar_steps * scale)), max(1, round(S.mars_steps * scale))
+    with open(a.config) as f:
+        root = f"{a.out}/{A}+{M}-{digest(TRAIN_SOURCES, f.read())}"
+    data_dir = f"{root}/data" if S.data_dir == train.Settings.data_dir else S.data_dir  # fresh default data
+    P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir}
+    eval_key = digest(EVAL_SOURCES, json.dumps([limit, taus]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
+    vs = variants(A, M, root)
+    if a.only:
+        keep = {"ar_stage", *a.only.split(",")}
+        if unknown := keep - {v["name"] for v in vs}:
+            raise SystemExit(f"--only: unknown variant(s) {sorted(unknown)}")
+        vs = [v for v in vs if v["name"] in keep]
+    for v in vs:
+        v["train_cmd"] = [py, "train.py", f"--config={a.config}", *(arg(k, x) for k, x in v["train"].items()),
+                          f"--data_dir={data_dir}", f"--out_dir={root}/{v['name']}", "--eval_at_end=false"]
+        vt = [t for t in taus if t in v.get("taus", taus)]
+        v["eval_cmd"] = [py, "evaluate.py", f"--ckpt={v['ckpt']}", f"--data-dir={data_dir}",
+                         f"--taus={','.join(map(str, vt))}", *([f"--limit={limit}"] if limit else [])]
+    print(f"reproduce: {len(vs)} variants, A={A} AR + M={M} MARS steps, eval on {limit or 'all'} test "
+          f"problems at τ in {taus}; checkpoints in {root}, results in {a.results}", flush=True)
+    if not a.dry_run:
+        os.makedirs(a.results, exist_ok=True)
+    cmds = []
+    if data_dir != S.data_dir:  # the default data set, built from the sources hashed into root
+        dcmd = [py, "data/synthetic.py", f"--out={data_dir}", f"--seed={S.seed}"]
+        cmds.append(" ".join(["python", *dcmd[1:]]))
+        if not os.path.isfile(f"{data_dir}/val.npz") and not a.dry_run and not run(dcmd, env):
+            raise SystemExit("building the data set failed")
+    results = {}
+    for i, v in enumerate(vs):
+        n = v["name"]
+        cmds += [" ".join(["python", *v["train_cmd"][1:]]),
+                 " ".join(["python", *v["eval_cmd"][1:]]) + f" --json={a.results}/{n}.json"]
+        old = load_json(f"{a.results}/{n}.json")
+        done = (os.path.isfile(f"{v['ckpt']}/model.safetensors") and old is not None
+                and old.get("ckpt") == v["ckpt"] and old.get("eval_key") == eval_key)
+        print(f"\n[{i + 1}/{len(vs)}] {n}: {v['label']}, {v['steps']} steps"
+              f"{' (done, skipped)' if done else ''}; {since()}", flush=True)
+        if a.dry_run:
+            print("\n".join("$ " + " ".join(c) for c in (v["train_cmd"], v["eval_cmd"])))
+        elif done:
+            results[n] = old
+        else:
+            results[n] = run_variant(v, P, eval_key, env, old)
+            save_json(results[n], f"{a.results}/{n}.json")
+    if a.dry_run:
+        return
+    for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
+        log = f"{a.results}/{name}.txt"
+        if a.skip_bench or "mars_b4" not in results or not os.path.isfile(os.path.join(HERE, cmd[1])):
+            continue
+        cmds.append(shown(cmd)[2:] + f" > {log}")
+        if first_line(log) == shown(cmd):  # this very benchmark ran before
+            print(f"\n[bench] {name}: done, skipped ({log})", flush=True)
+            continue
+        print(f"\n[bench] {name}; {since()}", flush=True)
+        if not run(cmd, env, log=log):
+            print(f"{name} failed (its output is in {a.results}/{name}.txt); going on", flush=True)
+    import plot_mask
+
+    plot_mask.plot_masks(f"{a.results}/mask.png")
+    plot_sweep(a.results, results)
+    meta = {"mode": "quick" if a.quick else "full" if scale == 1 and limit is None else "custom",
+            "argv": "".join(" " + x for x in argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "config": a.config, "A": A, "M": M, "root": root, "taus": taus,
+            "minutes": (time.time() - t_start) / 60,
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                       f"{a.threads} thread(s) per process",
+            "n_test": min(limit or 10**9, len(read_jsonl(f"{data_dir}/test.jsonl")))}
+    write_results(a.results, results, meta, cmds)
+    print(f"\nwrote {a.results}/RESULTS.md, tau_sweep.png, mask.png; {since()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
