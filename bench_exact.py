@@ -66,6 +66,7 @@ def ints(text):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="HF-layout checkpoint (default: build a random tiny model)")
+    p.add_argument("--data-dir", help="take the prompts from DIR/test.jsonl (synthetic test set)")
     p.add_argument("--drafts", type=ints, default=[2, 4], help="K values, comma-separated")
     p.add_argument("--block-sizes", type=ints, default=[4, 8], help="B values, comma-separated")
     p.add_argument("--batch-sizes", type=ints, default=[1, 4])
@@ -94,7 +95,7 @@ def main():
           f"tau={args.tau} draft_threshold={args.draft_threshold}; median of {reps} runs")
     differ = 0
     for bs in args.batch_sizes:
-        prompts = make_prompts(tok, model.config.vocab_size, mask_id, bs)
+        prompts = make_prompts(tok, model.config.vocab_size, mask_id, bs, data_dir=args.data_dir)
         print(f"batch {bs}")
         common = dict(max_new_tokens=n_new, eos_ids=eos_ids)
         ar = timed(partial(generate_ar, model, prompts, **common), reps, dev)

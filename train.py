@@ -81,13 +81,13 @@ class Settings:
     w_ar: float = 1.0  # weight of L_AR; 0 = the "w/o L_AR" ablation
     bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
     # optimisation (§7)
-    ar_steps: int = 1000
-    mars_steps: int = 1000
+    ar_steps: int = 3000
+    mars_steps: int = 4000
     epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
-    batch_size: int = 32  # rows per optimizer step, all processes and accumulation together
-    micro_batch_size: int = 32  # rows per forward per process; accumulation = batch / (world * micro)
+    batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
+    micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
     max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
-    lr: float = 1e-3
+    lr: float = 0.003
     min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
     warmup_frac: float = 0.03
     weight_decay: float = 0.1  # matrices only (not biases, norms)
@@ -95,8 +95,8 @@ class Settings:
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
     # logging, evaluation, checkpoints
-    log_interval: int = 50
-    eval_interval: int = 250
+    log_interval: int = 100
+    eval_interval: int = 1000
     eval_rows: int = 256  # the fixed val subset: the first eval_rows rows of val.npz
     ckpt_interval: int = 500
     resume: bool = True  # continue from out_dir/ckpt if it exists; False = start over

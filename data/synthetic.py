@@ -9,9 +9,9 @@ looked-up value), exactly where multi-token acceptance should be high and low.
 
 Four task families, each answer checkable by string match on "The answer is X.":
   arith   add 2-4 one-digit numbers, with a worked step per addition
-  list    reverse / take the maximum of a short list of numbers
-  replace copy a word sequence, substituting one word for another
-  lookup  read a value out of a small table given in the prompt
+  list    the largest / smallest number of a short list
+  words   repeat a sequence of distinct words
+  lookup  read a word out of a small table given in the prompt
 
 Splits are deterministic from a seed. A problem's split is decided by a hash of its
 prompt, so the same question can never sit in both train and test.
@@ -28,7 +28,10 @@ WORDS = ["cat", "dog", "fox", "owl", "bee", "cow", "hen", "pig", "rat", "yak", "
          "lake", "rain", "snow", "wind", "fire", "leaf", "seed"]
 ITEMS = ["apple", "pear", "plum", "fig", "lime", "kiwi", "melon", "grape", "peach", "mango",
          "lemon", "berry", "olive", "date", "cherry", "guava"]
-FAMILIES = ("arith", "list", "replace", "lookup")
+FAMILIES = ("arith", "list", "words", "lookup")
+# A short system turn instead of Qwen2.5's default one (18 tokens on every row):
+# on a CPU every token of a row costs training time.
+SYSTEM = "Solve the task."
 ANSWER_RE = re.compile(r"The answer is (.+?)\.\s*$")
 
 
@@ -43,46 +46,39 @@ def _arith(rng):
 
 
 def _list(rng):
-    xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 6))]
+    xs = [rng.randint(0, 9) for _ in range(rng.randint(3, 7))]
     shown = ", ".join(map(str, xs))
-    if rng.random() < 0.5:
-        ans = ", ".join(map(str, reversed(xs)))
-        return (f"Reverse the list [{shown}].",
-                [f"The list has {len(xs)} items.", f"Read from the end it is [{ans}]."], f"[{ans}]")
-    ans = str(max(xs))
-    return (f"What is the largest number in [{shown}]?",
-            [f"The list has {len(xs)} items.", f"The largest of them is {ans}."], ans)
+    word, ans = ("largest", max(xs)) if rng.random() < 0.5 else ("smallest", min(xs))
+    return (f"What is the {word} number in [{shown}]?",
+            [f"The list has {len(xs)} items.", f"The {word} of them is {ans}."], str(ans))
 
 
-def _replace(rng):
-    old, new = rng.sample(WORDS, 2)
-    others = [w for w in WORDS if w not in (old, new)]
-    seq = [rng.choice(others) for _ in range(rng.randint(3, 5))]
-    for i in rng.sample(range(len(seq)), rng.randint(1, 2)):
-        seq[i] = old
-    out = " ".join(new if w == old else w for w in seq)
-    return (f"In the words '{' '.join(seq)}', replace {old} with {new}.",
-            [f"We replace each {old} with {new}, word by word.", f"This gives '{out}'."], out)
+def _words(rng):
+    seq = rng.sample(WORDS, rng.randint(3, 6))
+    ans = " ".join(seq)
+    return (f"Repeat the words: {ans}.",
+            [f"There are {len(seq)} words.", f"In the same order they are: {ans}."], ans)
 
 
 def _lookup(rng):
-    names = rng.sample(ITEMS, rng.randint(3, 5))
-    prices = {n: rng.randint(1, 99) for n in names}
-    ask = rng.choice(names)
-    table = ", ".join(f"{n} {prices[n]}" for n in names)
-    return (f"Prices: {table}. What is the price of {ask}?",
-            [f"We look for {ask} in the table.", f"The table says {ask} costs {prices[ask]}."],
-            str(prices[ask]))
+    keys = rng.sample(ITEMS, rng.randint(3, 5))
+    table = {k: rng.choice(WORDS) for k in keys}
+    ask = rng.choice(keys)
+    shown = ", ".join(f"{k} {table[k]}" for k in keys)
+    return (f"Table: {shown}. Look up {ask}.",
+            [f"We look up {ask}.", f"The table says {ask} {table[ask]}."], table[ask])
 
 
-MAKERS = {"arith": _arith, "list": _list, "replace": _replace, "lookup": _lookup}
+MAKERS = {"arith": _arith, "list": _list, "words": _words, "lookup": _lookup}
 
 
 def make_problem(rng, family):
     prompt, steps, answer = MAKERS[family](rng)
     reply = "\n".join(steps + [f"The answer is {answer}."])
     return {"family": family, "answer": answer,
-            "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]}
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": prompt},
+                         {"role": "assistant", "content": reply}]}
 
 
 def split_of(prompt, fractions=(("test", 0.05), ("val", 0.05))):
@@ -105,14 +101,18 @@ def generate(sizes, seed=0):
         quota = {s: n // len(FAMILIES) + (k < n % len(FAMILIES)) for s, n in sizes.items()}
         got = {s: [] for s in sizes}
         seen = set()
-        while any(len(got[s]) < quota[s] for s in sizes):
+        for _ in range(100 * sum(quota.values()) + 100000):
+            if all(len(got[s]) >= quota[s] for s in sizes):
+                break
             p = make_problem(rng, family)
-            prompt = p["messages"][0]["content"]
+            prompt = p["messages"][1]["content"]
             s = split_of(prompt)
             if len(got[s]) >= quota[s] or (s != "train" and prompt in seen):
                 continue
             seen.add(prompt)
             got[s].append(p)
+        else:
+            raise ValueError(f"{family}: too few distinct prompts for the split sizes {sizes}")
         for s in sizes:
             out[s] += got[s]
     for s in sizes:  # interleave families so any prefix of a split is balanced
