@@ -18,37 +18,16 @@ overhead; a trained MARS checkpoint is what can accept drafts.
 
 import argparse
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from functools import partial
 
 import torch
 
-from bench_generate import make_prompts, random_checkpoint
+from bench_generate import make_prompts, random_checkpoint, timed
 from exact import generate_exact
 from generate import checkpoint_eos_ids, generate, generate_ar, load_tokenizer
 from model import Qwen2
-
-
-def timed(fn, repeats, device):
-    """fn() -> list of Generation. One warm-up, then the median of `repeats` runs
-    -> (seconds, generated tokens, forwards summed over rows, the ids)."""
-    def once():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
-
-    once()
-    runs = [once() for _ in range(repeats)]
-    out = runs[0][1]
-    return (statistics.median(t for t, _ in runs), sum(len(g.ids) for g in out),
-            sum(g.forwards for g in out), [g.ids for g in out])
 
 
 def row(name, result, base=None, same=None):

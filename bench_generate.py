@@ -72,7 +72,7 @@ def make_prompts(tok, vocab_size, mask_id, n, seed=0, data_dir=None):
 
 def timed(fn, repeats, device):
     """fn() -> list of Generation. Warm up once, then the median over `repeats` runs
-    -> (seconds, generated tokens, forwards summed over rows)."""
+    -> (seconds, generated tokens, forwards summed over rows, the generated ids per row)."""
     def once():
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -86,7 +86,7 @@ def timed(fn, repeats, device):
     runs = [once() for _ in range(repeats)]
     dt = statistics.median(t for t, _ in runs)
     out = runs[0][1]
-    return dt, sum(len(g.ids) for g in out), sum(g.forwards for g in out)
+    return dt, sum(len(g.ids) for g in out), sum(g.forwards for g in out), [g.ids for g in out]
 
 
 def hf_runner(ckpt, dtype, device, prompt, max_new, eos_ids, lookup=0):
@@ -114,7 +114,7 @@ def hf_runner(ckpt, dtype, device, prompt, max_new, eos_ids, lookup=0):
     return run
 
 
-def row(name, dt, n, forwards, base=None):
+def row(name, dt, n, forwards, ids=None, base=None):
     speed = f"{(n / dt) / base:6.2f}x" if base else "      -"
     print(f"  {name:<36} {n / dt:10.1f} tok/s {speed}   {n / max(forwards, 1):5.2f} tok/forward   "
           f"({n} tokens, {dt:.3f}s)", flush=True)

@@ -4,6 +4,7 @@
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,3 +35,29 @@ def tiny_hf(tmp_path):
     """(hf_model, path) for the default tiny config."""
     path = tmp_path / "tiny"
     return make_hf_model(path), str(path)
+
+
+def write_rows(path, n, seed):
+    """n random rows of 8..40 tokens (ids < 256), loss on a tail of each: a prepared file."""
+    rng = np.random.default_rng(seed)
+    ids, loss, off = [], [], [0]
+    for _ in range(n):
+        length = int(rng.integers(8, 41))
+        prompt = int(rng.integers(2, length - 2))
+        ids += rng.integers(0, 256, length).tolist()
+        loss += [0] * prompt + [1] * (length - prompt)
+        off.append(len(ids))
+    np.savez(path, ids=np.array(ids, np.int32), loss=np.array(loss, np.uint8), offsets=np.array(off))
+
+
+def first_mid_step_token(steps):
+    """A token whose first occurrence is accepted with more tokens after it in the same
+    step -> (token, index in the output)."""
+    out = []
+    for s in steps:
+        toks = s.tokens[0]
+        for i, t in enumerate(toks[:-1]):
+            if t not in out + toks[:i]:
+                return t, len(out) + i
+        out += toks
+    raise AssertionError("no multi-token step")

@@ -26,7 +26,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_hf_model
+from conftest import first_mid_step_token, make_hf_model
 from transformers import GenerationConfig
 
 import exact
@@ -237,18 +237,6 @@ def test_wrong_drafts_give_exactly_one_token_per_forward(v256):
     ids, steps = run(model, PROMPTS, model.mask_id, 4)
     assert ids == refs
     assert [s.counts for s in steps] == [[1, 1, 1]] * N_NEW and steps[-1].forwards == N_NEW
-
-
-def first_mid_step_token(steps):
-    """A token first seen in the middle of a multi-token step -> (token, index in the output)."""
-    out = []
-    for s in steps:
-        toks = s.tokens[0]
-        for i, t in enumerate(toks[:-1]):
-            if t not in out + toks[:i]:
-                return t, len(out) + i
-        out += toks
-    raise AssertionError("no multi-token step")
 
 
 def test_eos_mid_step_stops_the_row_and_drops_the_rest(v256):

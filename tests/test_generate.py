@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import first_mid_step_token, make_hf_model
 from transformers import GenerationConfig
 
 from generate import Knob, accept, generate, generate_ar, mars_steps
@@ -238,19 +238,6 @@ def test_tau_knob_changes_acceptance_from_next_step(peaked, cache):
             knob.tau = 1.0  # from step k on: AR
     assert max(counts[:k]) > 1 and set(counts[k:]) == {1}
     assert (ids, counts) == reference_mars(hf, p, B, [0.3] * k + [1.0], N_NEW)
-
-
-def first_mid_step_token(steps):
-    """A token whose first occurrence is accepted with more tokens after it in the same
-    step -> (token, index in the output)."""
-    out = []
-    for s in steps:
-        toks = s.tokens[0]
-        for i, t in enumerate(toks[:-1]):
-            if t not in out + toks[:i]:
-                return t, len(out) + i
-        out += toks
-    raise AssertionError("no multi-token step")
 
 
 @pytest.mark.parametrize("cache", ["none", "window", "block"])

@@ -9,26 +9,13 @@ of one uninterrupted two-stage run, bit for bit (CPU, one thread).
 
 import json
 
-import numpy as np
 import torch
+from conftest import write_rows
 from safetensors.torch import load_file
 
 import reproduce
 import train
 from tokenizer import train_bpe
-
-
-def write_rows(path, n, seed):
-    """n random rows of 8..40 tokens (ids < 256), loss on a tail of each: a prepared file."""
-    rng = np.random.default_rng(seed)
-    ids, loss, off = [], [], [0]
-    for _ in range(n):
-        length = int(rng.integers(8, 41))
-        prompt = int(rng.integers(2, length - 2))
-        ids += rng.integers(0, 256, length).tolist()
-        loss += [0] * prompt + [1] * (length - prompt)
-        off.append(len(ids))
-    np.savez(path, ids=np.array(ids, np.int32), loss=np.array(loss, np.uint8), offsets=np.array(off))
 
 
 def test_mars_from_the_saved_ar_stage_equals_the_two_stage_run(tmp_path):

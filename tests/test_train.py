@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import make_hf_model, write_rows
 from safetensors.torch import load_file
 
 import train
@@ -51,19 +51,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def write_rows(path, n, seed):
-    """n random rows of 8..40 tokens (ids < 256), loss on a tail of each: a prepared file."""
-    rng = np.random.default_rng(seed)
-    ids, loss, off = [], [], [0]
-    for _ in range(n):
-        length = int(rng.integers(8, 41))
-        prompt = int(rng.integers(2, length - 2))
-        ids += rng.integers(0, 256, length).tolist()
-        loss += [0] * prompt + [1] * (length - prompt)
-        off.append(len(ids))
-    np.savez(path, ids=np.array(ids, np.int32), loss=np.array(loss, np.uint8), offsets=np.array(off))
 
 
 @pytest.fixture(scope="module")
