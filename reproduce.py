@@ -18,8 +18,8 @@ exist is skipped, a killed training run continues from its last checkpoint. Chec
 to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
-    python reproduce.py --quick    # A, M / 4, 100 test problems: about 25 min on 2 CPU cores
-    python reproduce.py            # the full run: about 1.5 hours on 2 CPU cores (A = M = 1000)
+    python reproduce.py --quick    # A, M / 4 (750 + 1000 steps), 100 test problems: about 30 min on 2 cores
+    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): about 2 hours
     python reproduce.py --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
 """
 
