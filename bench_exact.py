@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from bench_generate import make_prompts, random_checkpoint, timed
+from bench_generate import ints, make_prompts, random_checkpoint, timed
 from exact import generate_exact
 from generate import checkpoint_eos_ids, generate, generate_ar, load_tokenizer
 from model import Qwen2
@@ -36,10 +36,6 @@ def row(name, result, base=None, same=None):
     check = "" if same is None else ("   == AR" if same else "   DIFFERS FROM AR")
     print(f"  {name:<26} {n / dt:9.1f} tok/s {speed}   {n / forwards:5.2f} tok/forward   "
           f"({n} tokens, {forwards} forwards, {dt:.3f}s){check}")
-
-
-def ints(text):
-    return [int(x) for x in text.split(",")]
 
 
 def main():
