@@ -19,15 +19,13 @@ overhead; a trained MARS checkpoint is what can accept drafts.
 import argparse
 import platform
 import sys
-import tempfile
 from functools import partial
 
 import torch
 
-from bench_generate import ints, make_prompts, random_checkpoint, timed
+from bench_generate import add_model_args, ints, load_for_bench, make_prompts, timed
 from exact import generate_exact
-from generate import checkpoint_eos_ids, generate, generate_ar, load_tokenizer
-from model import Qwen2
+from generate import generate, generate_ar
 
 
 def row(name, result, base=None, same=None):
@@ -49,19 +47,10 @@ def main():
     p.add_argument("--draft-threshold", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_model_args(p)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix="bench_exact_"))
-    model = Qwen2.from_pretrained(ckpt, getattr(torch, args.dtype), args.device).eval()
-    tok = load_tokenizer(ckpt)
-    mask_id = args.mask_id if args.mask_id is not None else (
-        tok.mask_id if tok is not None else model.config.vocab_size - 1)
-    eos_ids, n_new, reps, dev = checkpoint_eos_ids(ckpt, tok), args.max_new_tokens, args.repeats, args.device
+    ckpt, model, tok, mask_id, eos_ids = load_for_bench(args, "bench_exact_")
+    n_new, reps, dev = args.max_new_tokens, args.repeats, args.device
     machine = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or "cpu"
     print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.1f}M params; "
           f"{dev} ({machine}), {args.dtype}, torch threads {torch.get_num_threads()}, "

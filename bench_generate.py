@@ -137,6 +137,27 @@ def ints(text):
     return [int(x) for x in text.split(",")]
 
 
+def add_model_args(p):
+    """The options every benchmark shares: mask id, device, dtype, threads."""
+    p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def load_for_bench(args, prefix):
+    """Apply --threads and load --ckpt (or a fresh random tiny model) ->
+    (ckpt, model, tokenizer or None, mask id, EOS ids)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix=prefix))
+    model = Qwen2.from_pretrained(ckpt, getattr(torch, args.dtype), args.device).eval()
+    tok = load_tokenizer(ckpt)
+    mask_id = args.mask_id if args.mask_id is not None else (
+        tok.mask_id if tok is not None else model.config.vocab_size - 1)
+    return ckpt, model, tok, mask_id, checkpoint_eos_ids(ckpt, tok)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="HF-layout checkpoint (default: build a random tiny model)")
@@ -151,24 +172,14 @@ def main():
     p.add_argument("--batch-sizes", type=ints, default=[4, 8, 16])
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median), after a warm-up")
     p.add_argument("--no-window", action="store_true", help="skip the batched window-cache rows")
-    p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_model_args(p)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix="bench_mars_"))
+    ckpt, model, tok, mask_id, eos_ids = load_for_bench(args, "bench_mars_")
     dtype, dev = getattr(torch, args.dtype), args.device
-    model = Qwen2.from_pretrained(ckpt, dtype, dev).eval()
-    tok = load_tokenizer(ckpt)
-    mask_id = args.mask_id if args.mask_id is not None else (
-        tok.mask_id if tok is not None else model.config.vocab_size - 1)
     if args.block_size is None:
         from evaluate import mars_settings
 
         args.block_size = mars_settings(ckpt).get("block_size", 4)
-    eos_ids = checkpoint_eos_ids(ckpt, tok)
     n_new, B, reps = args.max_new_tokens, args.block_size, args.repeats
     prompts_of = lambda n: make_prompts(tok, model.config.vocab_size, mask_id, n, data_dir=args.data_dir)
     mars = lambda ps, tau, cache, bc=None: lambda: generate(
