@@ -300,7 +300,7 @@ class Qwen2(nn.Module):
         d = self.config.to_hf_dict()
         d["torch_dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         _atomic_write(os.path.join(path, "config.json"),
-                      lambda tmp: open(tmp, "w").write(json.dumps(d, indent=2) + "\n"))
+                      lambda tmp: _write_text(tmp, json.dumps(d, indent=2) + "\n"))
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # a tied matrix counts once
@@ -327,6 +327,11 @@ def _weight_files(path):
         return out
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
                             "(only safetensors weights are loaded)")
+
+
+def _write_text(path, text):
+    with open(path, "w") as f:  # closed (and flushed) before the rename
+        f.write(text)
 
 
 def _atomic_write(final_path, write_fn):
