@@ -14,7 +14,9 @@ With A = ar_steps and M = mars_steps of the config (times --steps-scale):
 
 mars_b4 is what `python train.py` does (its MARS stage starts from the AR stage's weights
 with a fresh optimizer either way). Resumable: a variant whose checkpoint and results JSON
-exist is skipped, a killed training run continues from its last checkpoint. Checkpoints go
+exist is skipped, a killed training run continues from its last checkpoint. After the AR
+stage, variants train --jobs at a time (default: CPUs / --threads, at most 4), each with
+its output in <its out_dir>/output.txt. Checkpoints go
 to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
@@ -31,6 +33,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import train
 from data.synthetic import FAMILIES, read_jsonl
@@ -89,9 +92,14 @@ def shown(cmd):
     return "$ " + " ".join(["python", *cmd[1:]])
 
 
-def run(cmd, env, log=None):
-    """Run a command in the repo, its output shown (and copied to `log`); False on failure."""
-    print("$ " + " ".join(cmd), flush=True)
+def run(cmd, env, log=None, out=None):
+    """Run a command in the repo, its output shown (and copied to `log`), or with `out` sent to
+    that file only (parallel jobs would interleave on the terminal); False on failure."""
+    print("$ " + " ".join(cmd) + (f"   (output: {out})" if out else ""), flush=True)
+    if out is not None:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "a") as f:
+            return subprocess.run(cmd, cwd=HERE, env=env, stdout=f, stderr=subprocess.STDOUT).returncode == 0
     if log is None:
         return subprocess.run(cmd, cwd=HERE, env=env).returncode == 0
     p = subprocess.run(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True)
@@ -230,16 +238,20 @@ def plot_sweep(R, results):
 
 # ----------------------------------------------------------------------------- the run
 def run_variant(v, P, eval_key, env, old):
-    """Train (unless its checkpoint exists) and evaluate one variant -> its results record."""
+    """Train (unless its checkpoint exists) and evaluate one variant -> its results record.
+    With parallel jobs the output goes to <out_dir>/output.txt instead of the terminal."""
     n, ckpt, t0 = v["name"], v["ckpt"], time.time()
+    out = f"{v['out_dir']}/output.txt" if P["jobs"] > 1 else None
     train_s = old.get("train_s") if old and old.get("ckpt") == ckpt else None
     if not os.path.isfile(f"{ckpt}/model.safetensors"):  # train.py resumes a killed run itself
-        if not run(v["train_cmd"], env):
-            raise SystemExit(f"{n}: training failed; fix it and re-run (finished variants are kept)")
+        if not run(v["train_cmd"], env, out=out):
+            raise SystemExit(f"{n}: training failed{f' (see {out})' if out else ''}; fix it and re-run "
+                             "(finished variants are kept)")
         train_s = time.time() - t0
     t1, tmp = time.time(), f"{P['R']}/{n}.eval.tmp"
-    if not run(v["eval_cmd"] + [f"--json={tmp}"], env):
-        raise SystemExit(f"{n}: evaluation failed; fix it and re-run (finished variants are kept)")
+    if not run(v["eval_cmd"] + [f"--json={tmp}"], env, out=out):
+        raise SystemExit(f"{n}: evaluation failed{f' (see {out})' if out else ''}; fix it and re-run "
+                         "(finished variants are kept)")
     ev = load_json(tmp)
     os.remove(tmp)
     return {"name": n, "label": v["label"], "steps": v["steps"], "ckpt": ckpt, "eval_key": eval_key,
@@ -278,6 +290,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per process (a 1M-parameter model gains little from more, and "
                         "threads contend badly on a shared machine)")
+    p.add_argument("--jobs", type=int, help="variants trained at once, each in its own process "
+                   "(default: CPUs / threads, at most 4); on 2 cores two 1-thread jobs finish far "
+                   "sooner than one 2-thread job")
     p.add_argument("--only", help="comma-separated variants to run (the AR stage is always run)")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -296,7 +311,10 @@ def main(argv=None):
     with open(a.config) as f:
         root = f"{a.out}/{A}+{M}-{digest(TRAIN_SOURCES, f.read())}"
     data_dir = f"{root}/data" if S.data_dir == train.Settings.data_dir else S.data_dir  # fresh default data
-    P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir}
+    jobs = a.jobs or max(1, min(4, (os.cpu_count() or 1) // max(1, a.threads)))
+    if jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {jobs}")
+    P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir, "jobs": jobs}
     eval_key = digest(EVAL_SOURCES, json.dumps([limit, taus]))
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
     vs = variants(A, M, root)
@@ -306,13 +324,15 @@ def main(argv=None):
             raise SystemExit(f"--only: unknown variant(s) {sorted(unknown)}")
         vs = [v for v in vs if v["name"] in keep]
     for v in vs:
+        v["out_dir"] = f"{root}/{v['name']}"
         v["train_cmd"] = [py, "train.py", f"--config={a.config}", *(arg(k, x) for k, x in v["train"].items()),
-                          f"--data_dir={data_dir}", f"--out_dir={root}/{v['name']}", "--eval_at_end=false"]
+                          f"--data_dir={data_dir}", f"--out_dir={v['out_dir']}", "--eval_at_end=false"]
         vt = [t for t in taus if t in v.get("taus", taus)]
         v["eval_cmd"] = [py, "evaluate.py", f"--ckpt={v['ckpt']}", f"--data-dir={data_dir}",
                          f"--taus={','.join(map(str, vt))}", *([f"--limit={limit}"] if limit else [])]
     print(f"reproduce: {len(vs)} variants, A={A} AR + M={M} MARS steps, eval on {limit or 'all'} test "
-          f"problems at τ in {taus}; checkpoints in {root}, results in {a.results}", flush=True)
+          f"problems at τ in {taus}; {jobs} job(s) of {a.threads} thread(s); checkpoints in {root}, "
+          f"results in {a.results}", flush=True)
     if not a.dry_run:
         os.makedirs(a.results, exist_ok=True)
     cmds = []
@@ -321,7 +341,7 @@ def main(argv=None):
         cmds.append(" ".join(["python", *dcmd[1:]]))
         if not os.path.isfile(f"{data_dir}/val.npz") and not a.dry_run and not run(dcmd, env):
             raise SystemExit("building the data set failed")
-    results = {}
+    results, todo = {}, []
     for i, v in enumerate(vs):
         n = v["name"]
         cmds += [" ".join(["python", *v["train_cmd"][1:]]),
@@ -329,17 +349,37 @@ def main(argv=None):
         old = load_json(f"{a.results}/{n}.json")
         done = (os.path.isfile(f"{v['ckpt']}/model.safetensors") and old is not None
                 and old.get("ckpt") == v["ckpt"] and old.get("eval_key") == eval_key)
-        print(f"\n[{i + 1}/{len(vs)}] {n}: {v['label']}, {v['steps']} steps"
-              f"{' (done, skipped)' if done else ''}; {since()}", flush=True)
+        skip = " (done, skipped)" if done else ""
+        print(f"[{i + 1}/{len(vs)}] {n}: {v['label']}, {v['steps']} steps{skip}", flush=True)
         if a.dry_run:
             print("\n".join("$ " + " ".join(c) for c in (v["train_cmd"], v["eval_cmd"])))
         elif done:
             results[n] = old
         else:
-            results[n] = run_variant(v, P, eval_key, env, old)
-            save_json(results[n], f"{a.results}/{n}.json")
+            todo.append(v)
     if a.dry_run:
         return
+
+    def one(v):
+        print(f"\n[start] {v['name']}; {since()}", flush=True)
+        r = run_variant(v, P, eval_key, env, load_json(f"{a.results}/{v['name']}.json"))
+        save_json(r, f"{a.results}/{v['name']}.json")
+        acc = r["results"].get("1.0", {}).get("accuracy")
+        print(f"\n[done] {v['name']}: accuracy at τ=1 {acc}%; {since()}", flush=True)
+        return r
+
+    # The AR stage first (every MARS variant starts from it); the other variants then run
+    # `jobs` at a time. AR SFT does not need the AR stage, so it may run beside it.
+    first = [v for v in todo if v["name"] in ("ar_stage", "ar_sft")][:jobs]
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {v["name"]: pool.submit(one, v) for v in first}
+        if "ar_stage" in futures:
+            futures["ar_stage"].result()
+        for v in todo:
+            if v["name"] not in futures:
+                futures[v["name"]] = pool.submit(one, v)
+        got = {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
+    results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
     for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
         log = f"{a.results}/{name}.txt"
         if a.skip_bench or "mars_b4" not in results or not os.path.isfile(os.path.join(HERE, cmd[1])):
@@ -360,7 +400,7 @@ def main(argv=None):
             "config": a.config, "A": A, "M": M, "root": root, "taus": taus,
             "minutes": (time.time() - t_start) / 60,
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"{a.threads} thread(s) per process",
+                       f"{a.threads} thread(s) per process, {jobs} job(s) at once",
             "n_test": min(limit or 10**9, len(read_jsonl(f"{data_dir}/test.jsonl")))}
     write_results(a.results, results, meta, cmds)
     print(f"\nwrote {a.results}/RESULTS.md, tau_sweep.png, mask.png; {since()}", flush=True)

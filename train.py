@@ -87,7 +87,7 @@ class Settings:
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
     max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
-    lr: float = 0.003
+    lr: float = 0.001
     min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
     warmup_frac: float = 0.03
     weight_decay: float = 0.1  # matrices only (not biases, norms)
