@@ -3,9 +3,10 @@
 On the same weights and machine, in one run, medians of --repeats timed runs:
   1. batch 1: our AR decoder (KV cache) vs transformers' `generate` (greedy, its cache) and
      transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`, a draft-free
-     speculative decoder: the peer MARS competes with), then MARS, sliding-window cache;
-  2. each batch size: MARS with the block cache for each B_cache (and the window cache) vs
-     our AR decoder, batched.
+     speculative decoder: the peer MARS competes with), then MARS without a cache and with
+     the sliding-window cache;
+  2. each batch size: transformers' `generate` (left-padded batch), MARS without a cache,
+     with the block cache for each B_cache, and with the window cache, vs our AR decoder.
 Each MARS row is repeated for every τ of --taus. tokens/s counts generated tokens of all
 rows; tokens/forward is generated tokens over model forwards (summed over rows; for
 transformers, its forward calls, counted by a hook). The paper reports 1.34-1.71x for the
@@ -89,9 +90,12 @@ def timed(fn, repeats, device):
     return dt, sum(len(g.ids) for g in out), sum(g.forwards for g in out), [g.ids for g in out]
 
 
-def hf_runner(ckpt, dtype, device, prompt, max_new, eos_ids, lookup=0):
-    """transformers' greedy generate on the same weights, batch 1 (the reference baseline);
-    lookup > 0: its prompt-lookup decoding with that many draft tokens per step."""
+def hf_runner(ckpt, dtype, device, prompts, max_new, eos_ids, lookup=0):
+    """transformers' greedy generate on the same weights (the reference baseline), the prompts
+    left-padded into one batch; lookup > 0: its prompt-lookup decoding with that many draft
+    tokens per step (batch 1 only). A row's forwards: the batch's forward calls (counted by a
+    hook) at batch 1; at batch > 1 its generated tokens (greedy emits one per forward while the
+    row is still generating, the count our decoders report)."""
     from transformers import GenerationConfig, Qwen2ForCausalLM
     from transformers.utils import logging
 
@@ -102,22 +106,30 @@ def hf_runner(ckpt, dtype, device, prompt, max_new, eos_ids, lookup=0):
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, pad_token_id=0,
                           eos_token_id=list(eos_ids) or None, **extra)
-    ids = torch.tensor([prompt], device=device)
+    if lookup and len(prompts) > 1:
+        raise ValueError("prompt-lookup decoding runs at batch 1 only")
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=device)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     @torch.no_grad()
     def run():
         calls[0] = 0
-        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-        gen = out[0, ids.shape[1]:].tolist()
-        gen = gen[: next((i + 1 for i, t in enumerate(gen) if t in eos_ids), len(gen))]
-        return [Generation(gen, calls[0])]
+        out = hf.generate(input_ids=ids, attention_mask=attn, generation_config=gc)
+        gens = []
+        for row in out[:, L:].tolist():
+            gen = row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))]
+            gens.append(Generation(gen, calls[0] if len(prompts) == 1 else len(gen)))
+        return gens
     return run
 
 
-def row(name, dt, n, forwards, ids=None, base=None):
+def row(name, dt, n, forwards, ids=None, base=None, same_as=None):
+    """Print one result line -> tokens/s. same_as: our AR's ids, to show whether they match."""
     speed = f"{(n / dt) / base:6.2f}x" if base else "      -"
+    check = "" if same_as is None else "   == our AR" if ids == same_as else "   differs from our AR"
     print(f"  {name:<36} {n / dt:10.1f} tok/s {speed}   {n / max(forwards, 1):5.2f} tok/forward   "
-          f"({n} tokens, {dt:.3f}s)", flush=True)
+          f"({n} tokens, {dt:.3f}s){check}", flush=True)
     return n / dt
 
 
@@ -193,19 +205,24 @@ def main():
 
     one = prompts_of(1)
     print("batch 1")
-    ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, one, n_new, eos_ids), reps, dev))
-    hf = lambda k: hf_runner(ckpt, dtype, dev, one[0], n_new, eos_ids, lookup=k)
-    row("HF generate (greedy)", *timed(hf(0), reps, dev), base=ar)
+    t = timed(partial(generate_ar, model, one, n_new, eos_ids), reps, dev)
+    ar, ar_ids = row("our AR (KV cache)", *t), t[3]
+    hf = lambda ps, k=0: hf_runner(ckpt, dtype, dev, ps, n_new, eos_ids, lookup=k)
+    row("HF generate (greedy)", *timed(hf(one), reps, dev), base=ar, same_as=ar_ids)
     if args.prompt_lookup:
-        row(f"HF prompt lookup ({args.prompt_lookup} drafts)", *timed(hf(args.prompt_lookup), reps, dev),
-            base=ar)
+        row(f"HF prompt lookup ({args.prompt_lookup} drafts)", *timed(hf(one, args.prompt_lookup), reps, dev),
+            base=ar, same_as=ar_ids)
     for tau in args.taus:
+        row(f"MARS no cache tau={tau}", *timed(mars(one, tau, "none"), reps, dev), base=ar)
         row(f"MARS window tau={tau}", *timed(mars(one, tau, "window"), reps, dev), base=ar)
     for bs in args.batch_sizes:
         prompts = prompts_of(bs)
         print(f"batch {bs}")
-        ar = row("our AR (KV cache)", *timed(partial(generate_ar, model, prompts, n_new, eos_ids), reps, dev))
+        t = timed(partial(generate_ar, model, prompts, n_new, eos_ids), reps, dev)
+        ar, ar_ids = row("our AR (KV cache)", *t), t[3]
+        row("HF generate (greedy, left-padded)", *timed(hf(prompts), reps, dev), base=ar, same_as=ar_ids)
         for tau in args.taus:
+            row(f"MARS no cache tau={tau}", *timed(mars(prompts, tau, "none"), reps, dev), base=ar)
             for bc in args.block_cache_sizes:
                 row(f"MARS block tau={tau} B_cache={bc}", *timed(mars(prompts, tau, "block", bc), reps, dev),
                     base=ar)

@@ -267,7 +267,7 @@ def bench_commands(P, ckpt, quick):
         "bench_train": [py, "bench_train.py", f"--config={P['config']}", f"--data_dir={P['data_dir']}",
                         f"--steps={5 if q else 10}", "--modes=ar,mars,mars-noar,bidir"],
         "bench_generate": [py, "bench_generate.py", f"--ckpt={ckpt}", f"--data-dir={P['data_dir']}",
-                           f"--taus={'0.95' if q else '1.0,0.95,0.9,0.7'}",
+                           f"--taus={'0.95' if q else '0.95,0.9'}",
                            f"--block-cache-sizes={'4,16,64' if q else '4,8,16,32,64'}",
                            f"--batch-sizes={'4,16' if q else '4,8,16'}", "--max-new-tokens=96",
                            f"--repeats={2 if q else 5}"],
