@@ -32,6 +32,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -260,6 +261,21 @@ def run_variant(v, P, eval_key, env, old):
             "results": {str(float(t)): r for t, r in ev.items()}}
 
 
+def progress(vs, stop, since, every=60):
+    """Every `every` seconds, the last step line of each training whose output is a file."""
+    seen = {}
+    while not stop.wait(every):
+        for v in vs:
+            try:
+                with open(f"{v['out_dir']}/output.txt") as f:
+                    line = next((x for x in reversed(f.readlines()) if " step " in x and "/" in x), "")
+            except OSError:
+                continue
+            if line and seen.get(v["name"]) != line:
+                seen[v["name"]] = line
+                print(f"[progress] {v['name']}: {line.strip()}  ({since()})", flush=True)
+
+
 def bench_commands(P, ckpt, quick):
     """The benchmark commands: training cost, decoding speed, exact mode (if bench_exact.py exists)."""
     py, q = sys.executable, quick
@@ -371,6 +387,9 @@ def main(argv=None):
     # The AR stage first (every MARS variant starts from it); the other variants then run
     # `jobs` at a time. AR SFT does not need the AR stage, so it may run beside it.
     first = [v for v in todo if v["name"] in ("ar_stage", "ar_sft")][:jobs]
+    stop = threading.Event()
+    if jobs > 1:  # their output goes to files: show each running training's latest progress line
+        threading.Thread(target=progress, args=(todo, stop, since), daemon=True).start()
     with ThreadPoolExecutor(jobs) as pool:
         futures = {v["name"]: pool.submit(one, v) for v in first}
         if "ar_stage" in futures:
@@ -378,7 +397,10 @@ def main(argv=None):
         for v in todo:
             if v["name"] not in futures:
                 futures[v["name"]] = pool.submit(one, v)
-        got = {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
+        try:
+            got = {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
+        finally:
+            stop.set()
     results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
     for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
         log = f"{a.results}/{name}.txt"
