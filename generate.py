@@ -427,26 +427,6 @@ def read_prompts(args, tok):
     return [chat_ids(tok, line) for line in lines]
 
 
-class Printer:
-    """Streams a reply; tokens from the same forward share a colour (alternating)."""
-    COLOURS = ("\033[36m", "\033[33m")
-
-    def __init__(self, tok, eos_ids, colour):
-        self.tok, self.eos_ids, self.colour = tok, set(eos_ids), colour
-        self.ids, self.shown, self.n = [], "", 0
-
-    def add(self, new):
-        self.ids += [t for t in new if t not in self.eos_ids]
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
-            return
-        piece, self.shown = text[len(self.shown):], text
-        if self.colour and piece:
-            piece = f"{self.COLOURS[self.n % 2]}{piece}\033[0m"
-        self.n += 1
-        print(piece, end="", flush=True)
-
-
 def decode_steps(model, prompts, args, tau, mask_id, eos_ids):
     """The step generator the command line asks for: MARS τ-gated, or --exact."""
     if args.exact:
@@ -458,47 +438,6 @@ def decode_steps(model, prompts, args, tau, mask_id, eos_ids):
     return mars_steps(model, prompts, block_size=args.block_size, tau=tau,
                       max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
                       cache=args.cache, block_cache_size=args.block_cache_size)
-
-
-def chat(model, tok, args, mask_id, eos_ids):
-    """Interactive chat; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
-    knob, messages = Knob(args.tau), []
-    print(f"MARS chat (B={args.block_size}, tau={args.tau}, cache={args.cache}); "
-          "/tau X changes tau, /quit leaves")
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            return
-        if line.strip() in ("/quit", "/exit"):
-            return
-        if line.startswith("/tau"):
-            try:
-                tau = float(line.split()[1])
-                check_tau(tau)
-            except (IndexError, ValueError):
-                print("error: /tau needs a number > 0, e.g. /tau 0.8")
-                continue
-            knob.tau = tau  # read by the decoder before its next step; the model stays loaded
-            print(f"tau = {tau}")
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            ids = tok.encode_chat(messages, add_generation_prompt=True)
-            steps = decode_steps(model, [ids], args, knob, mask_id, eos_ids)
-            t0, printer, step = time.perf_counter(), Printer(tok, eos_ids, sys.stdout.isatty()), None
-            for step in steps:
-                printer.add(step.tokens[0])
-        except ValueError as e:
-            messages.pop()
-            print(f"error: {e}")
-            continue
-        dt, n = time.perf_counter() - t0, len(printer.ids)
-        messages.append({"role": "assistant", "content": tok.decode(printer.ids)})
-        print(f"\n[{n} tokens, {step.forwards} forwards, {n / step.forwards:.2f} tokens/forward, "
-              f"{n / dt:.1f} tokens/s]")
 
 
 def parse_args(argv=None):
@@ -546,6 +485,8 @@ def run(args):
     model = Qwen2.from_pretrained(args.ckpt, getattr(torch, args.dtype), args.device).eval()
     eos_ids = checkpoint_eos_ids(args.ckpt, tok)
     if args.chat:
+        from chat import chat  # the interactive loop lives in chat.py
+
         return chat(model, tok, args, mask_id, eos_ids)
     t0 = time.perf_counter()
     results = collect(decode_steps(model, prompts, args, args.tau, mask_id, eos_ids), len(prompts))

@@ -84,7 +84,7 @@ def hf_greedy(hf, prompts, max_new, eos_id=None):
 
 
 @torch.no_grad()
-def reference_mars(hf, prompt, B, taus, max_new, eos_ids=()):
+def reference_mars(hf, prompt, B, taus, max_new, eos_ids=(), mask=MASK):
     """§5 written out on the HF model, one prompt. taus[i] is step i's τ (the last one
     repeats). Each step: a plain causal HF forward of prefix + B masks; c_j = argmax at
     position len(prefix)-1+j; accept c_0, then c_j while softmax prob >= τ (τ >= 1: c_0
@@ -93,7 +93,7 @@ def reference_mars(hf, prompt, B, taus, max_new, eos_ids=()):
     while True:
         tau = taus[min(len(counts), len(taus) - 1)]
         seq = prompt + out
-        logits = hf(torch.tensor([seq + [MASK] * B])).logits[0].float()  # (len(seq)+B, V)
+        logits = hf(torch.tensor([seq + [mask] * B])).logits[0].float()  # (len(seq)+B, V)
         accepted = []
         for j in range(B):
             row = logits[len(seq) - 1 + j]
@@ -313,3 +313,34 @@ def test_cli_bad_input_is_a_clear_error(cli_runs, case):
     rc, _, stderr = cli_runs[case]
     assert rc == 2 and BAD_INPUT[case][1] in stderr, stderr
     assert "Traceback" not in stderr
+
+
+def test_chat_keeps_the_conversation_and_reads_tau_per_reply(tmp_path):
+    """`generate.py --chat` (chat.py): reply 1 at τ = 1 is §5 written out on HF for the templated
+    user turn; `/tau 0.5` then applies to reply 2, which is §5 on HF for the whole conversation
+    (reply 1 as the assistant turn); a bad `/tau` is a message and the session goes on."""
+    from tokenizer import Tokenizer, train_bpe
+
+    train_bpe(["hello world, tell me more about the blue sky"], 20).save(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    hf = make_hf_model(tmp_path, seed=5, vocab_size=tok.vocab_size, initializer_range=0.6)
+    cfg_eos = json.loads((tmp_path / "config.json").read_text()).get("eos_token_id")
+    eos = {tok.eos_id, tok.endoftext_id} | set([cfg_eos] if isinstance(cfg_eos, int) else cfg_eos or [])
+    msgs = [{"role": "user", "content": "hello world"}]
+    ids1, counts1 = reference_mars(hf, tok.encode_chat(msgs, add_generation_prompt=True), 4, [1.0], 10,
+                                   eos, mask=tok.mask_id)
+    text1 = tok.decode([t for t in ids1 if t not in eos])
+    msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "tell me more"}]
+    ids2, counts2 = reference_mars(hf, tok.encode_chat(msgs, add_generation_prompt=True), 4, [0.5], 10,
+                                   eos, mask=tok.mask_id)
+    assert max(counts2) > 1  # τ = 0.5 did accept several tokens in a forward: the test can fail
+    text2 = tok.decode([t for t in ids2 if t not in eos])
+    stdin = "hello world\n/tau 0.5\n/tau abc\ntell me more\n/quit\n"
+    p = subprocess.run([sys.executable, "generate.py", "--ckpt", str(tmp_path), "--chat", "--tau", "1",
+                        "--block-size", "4", "--max-new-tokens", "10"], cwd=ROOT, input=stdin, text=True,
+                       capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    n1, n2 = (len([t for t in ids if t not in eos]) for ids in (ids1, ids2))
+    assert f"> {text1}\n[{n1} tokens, {len(counts1)} forwards," in p.stdout, p.stdout
+    assert "> tau = 0.5\n> error: /tau needs a number > 0" in p.stdout, p.stdout
+    assert f"> {text2}\n[{n2} tokens, {len(counts2)} forwards," in p.stdout, p.stdout

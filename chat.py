@@ -1,0 +1,81 @@
+"""Interactive MARS chat for `python generate.py --ckpt DIR --chat` (MARS_SPEC §5).
+
+The model stays loaded; `/tau X` sets τ for the next reply (τ is a per-request number, §5),
+so one session can compare AR (`/tau 1`) and multi-token replies. Tokens accepted in the
+same forward share a colour when the output is a terminal. The conversation is kept and
+re-templated (ChatML) every turn.
+"""
+
+import sys
+import time
+
+from generate import Knob, check_tau, decode_steps
+
+
+class Printer:
+    """Streams a reply; tokens from the same forward share a colour (alternating)."""
+    COLOURS = ("\033[36m", "\033[33m")
+
+    def __init__(self, tok, eos_ids, colour):
+        self.tok, self.eos_ids, self.colour = tok, set(eos_ids), colour
+        self.ids, self.shown, self.n = [], "", 0
+
+    def add(self, new):
+        self.ids += [t for t in new if t not in self.eos_ids]
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
+            return
+        piece, self.shown = text[len(self.shown):], text
+        if self.colour and piece:
+            piece = f"{self.COLOURS[self.n % 2]}{piece}\033[0m"
+        self.n += 1
+        print(piece, end="", flush=True)
+
+    def flush(self):
+        """End of reply: show what is still held back (an unfinished UTF-8 character)."""
+        text = self.tok.decode(self.ids)
+        if text != self.shown:
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+
+def chat(model, tok, args, mask_id, eos_ids):
+    """Interactive chat; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
+    knob, messages = Knob(args.tau), []
+    print(f"MARS chat (B={args.block_size}, tau={args.tau}, cache={args.cache}); "
+          "/tau X changes tau, /quit leaves")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if line.strip() in ("/quit", "/exit"):
+            return
+        if line.startswith("/tau"):
+            try:
+                tau = float(line.split()[1])
+                check_tau(tau)
+            except (IndexError, ValueError):
+                print("error: /tau needs a number > 0, e.g. /tau 0.8")
+                continue
+            knob.tau = tau  # read by the decoder before its next step; the model stays loaded
+            print(f"tau = {tau}")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = tok.encode_chat(messages, add_generation_prompt=True)
+            steps = decode_steps(model, [ids], args, knob, mask_id, eos_ids)
+            t0, printer, step = time.perf_counter(), Printer(tok, eos_ids, sys.stdout.isatty()), None
+            for step in steps:
+                printer.add(step.tokens[0])
+            printer.flush()
+        except ValueError as e:
+            messages.pop()
+            print(f"error: {e}")
+            continue
+        dt, n = time.perf_counter() - t0, len(printer.ids)
+        messages.append({"role": "assistant", "content": tok.decode(printer.ids)})
+        print(f"\n[{n} tokens, {step.forwards} forwards, {n / step.forwards:.2f} tokens/forward, "
+              f"{n / dt:.1f} tokens/s]")
