@@ -20,8 +20,9 @@ its output in <its out_dir>/output.txt. Checkpoints go
 to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
-    python reproduce.py --quick    # A, M / 4 (750 + 1000 steps), 100 test problems: about 30 min on 2 cores
-    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): about 2 hours
+    python reproduce.py --quick    # A, M / 4 (750 + 1000 steps), 100 test problems: under 30 min on 2 cores
+    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): 90 min
+                                   # on 2 cores (two 1-thread jobs; one 2-thread job took about 2 h)
     python reproduce.py --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
 """
 
@@ -156,7 +157,8 @@ def write_results(R, results, meta, cmds):
     steps = lambda n: results[n]["steps"] if n in results else "–"
     L = [f"# MARS in miniature: results ({meta['mode']})", "",
          f"Written by `python reproduce.py{meta['argv']}` on {meta['date']}, {meta['machine']}; "
-         f"{meta['minutes']:.0f} min for the runs made by that call. Model and data: "
+         f"training and evaluation took {meta['variant_minutes']:.0f} min of process time over all "
+         f"variants (table at the end), this call {meta['minutes']:.0f} min. Model and data: "
          f"`{meta['config']}` (a tiny Qwen2 trained from scratch on the synthetic tasks of "
          f"data/synthetic.py), A = {meta['A']} AR steps, M = {meta['M']} MARS steps; accuracy in % on "
          f"{meta['n_test']} held-out test problems, greedy. The paper's numbers are Qwen2.5-0.5B / 7B on "
@@ -261,11 +263,11 @@ def run_variant(v, P, eval_key, env, old):
             "results": {str(float(t)): r for t, r in ev.items()}}
 
 
-def progress(vs, stop, since, every=60):
-    """Every `every` seconds, the last step line of each training whose output is a file."""
+def progress(vs, running, stop, since, every=60):
+    """Every `every` seconds, the last step line of each running variant's output file."""
     seen = {}
     while not stop.wait(every):
-        for v in vs:
+        for v in [v for v in vs if v["name"] in running]:
             try:
                 with open(f"{v['out_dir']}/output.txt") as f:
                     line = next((x for x in reversed(f.readlines()) if " step " in x and "/" in x), "")
@@ -287,7 +289,8 @@ def bench_commands(P, ckpt, quick):
                            f"--block-cache-sizes={'4,16,64' if q else '4,8,16,32,64'}",
                            f"--batch-sizes={'4,16' if q else '4,8,16'}", "--max-new-tokens=96",
                            f"--repeats={2 if q else 5}"],
-        "bench_exact": [py, "bench_exact.py", f"--ckpt={ckpt}", "--block-sizes=4", "--drafts=2,3",
+        "bench_exact": [py, "bench_exact.py", f"--ckpt={ckpt}", f"--data-dir={P['data_dir']}",
+                        "--block-sizes=4", "--drafts=2,3",
                         "--batch-sizes=1,4", "--tau=0.95", "--max-new-tokens=96",
                         f"--repeats={2 if q else 3}"],
     }
@@ -376,9 +379,15 @@ def main(argv=None):
     if a.dry_run:
         return
 
+    running = set()  # names of the variants being trained or evaluated now
+
     def one(v):
         print(f"\n[start] {v['name']}; {since()}", flush=True)
-        r = run_variant(v, P, eval_key, env, load_json(f"{a.results}/{v['name']}.json"))
+        running.add(v["name"])
+        try:
+            r = run_variant(v, P, eval_key, env, load_json(f"{a.results}/{v['name']}.json"))
+        finally:
+            running.discard(v["name"])
         save_json(r, f"{a.results}/{v['name']}.json")
         acc = r["results"].get("1.0", {}).get("accuracy")
         print(f"\n[done] {v['name']}: accuracy at τ=1 {acc}%; {since()}", flush=True)
@@ -389,7 +398,7 @@ def main(argv=None):
     first = [v for v in todo if v["name"] in ("ar_stage", "ar_sft")][:jobs]
     stop = threading.Event()
     if jobs > 1:  # their output goes to files: show each running training's latest progress line
-        threading.Thread(target=progress, args=(todo, stop, since), daemon=True).start()
+        threading.Thread(target=progress, args=(todo, running, stop, since), daemon=True).start()
     with ThreadPoolExecutor(jobs) as pool:
         futures = {v["name"]: pool.submit(one, v) for v in first}
         if "ar_stage" in futures:
@@ -421,6 +430,7 @@ def main(argv=None):
             "argv": "".join(" " + x for x in argv), "date": time.strftime("%Y-%m-%d %H:%M"),
             "config": a.config, "A": A, "M": M, "root": root, "taus": taus,
             "minutes": (time.time() - t_start) / 60,
+            "variant_minutes": sum((r.get("train_s") or 0) + r["eval_s"] for r in results.values()) / 60,
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                        f"{a.threads} thread(s) per process, {jobs} job(s) at once",
             "n_test": min(limit or 10**9, len(read_jsonl(f"{data_dir}/test.jsonl")))}
