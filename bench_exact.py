@@ -17,13 +17,10 @@ overhead; a trained MARS checkpoint is what can accept drafts.
 """
 
 import argparse
-import platform
 import sys
 from functools import partial
 
-import torch
-
-from bench_generate import add_model_args, ints, load_for_bench, make_prompts, timed
+from bench_generate import add_model_args, ints, load_for_bench, machine, make_prompts, timed
 from exact import generate_exact
 from generate import generate, generate_ar
 
@@ -51,10 +48,9 @@ def main():
     args = p.parse_args()
     ckpt, model, tok, mask_id, eos_ids = load_for_bench(args, "bench_exact_")
     n_new, reps, dev = args.max_new_tokens, args.repeats, args.device
-    machine = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or "cpu"
-    print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.1f}M params; "
-          f"{dev} ({machine}), {args.dtype}, torch threads {torch.get_num_threads()}, "
-          f"{platform.platform()}")
+    print(machine(dev))
+    print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.1f}M params, "
+          f"{args.dtype}")
     print(f"max_new_tokens={n_new} eos={list(eos_ids)} K={args.drafts} B={args.block_sizes} "
           f"tau={args.tau} draft_threshold={args.draft_threshold}; median of {reps} runs")
     differ = 0

@@ -20,7 +20,6 @@ Every train.py setting (`--key=value`, `--config FILE`) applies; its data set is
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,8 +29,8 @@ from dataclasses import replace
 import torch
 
 import train
+from bench_generate import machine
 from data.prepare import load_npz
-from model import Qwen2, Qwen2Config, init_weights
 
 MODES = {  # name -> (train.py stage, setting overrides)
     "ar": ("ar", {}),
@@ -39,17 +38,6 @@ MODES = {  # name -> (train.py stage, setting overrides)
     "mars-noar": ("mars", {"w_ar": 0.0}),
     "bidir": ("mars", {"bidirectional": True}),
 }
-
-
-def build_model(S, tok, ids):
-    """The model train.py would start from: the scratch config of S, or init_from."""
-    if S.init_from != "scratch":
-        return Qwen2.from_pretrained(S.init_from)
-    cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(ids.values()) + 1),
-                      hidden_size=S.n_embd, intermediate_size=S.intermediate, num_hidden_layers=S.n_layer,
-                      num_attention_heads=S.n_head, num_key_value_heads=S.n_kv_head,
-                      max_position_embeddings=2 * S.max_len + 64, eos_token_id=ids["eos"])
-    return init_weights(Qwen2(cfg), S.init_std, S.seed)
 
 
 def sync(device):
@@ -119,12 +107,9 @@ def main(argv=None):
     tok, ids = train.special_ids(S)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if S.device == "auto" else S.device)
-    model0 = build_model(S, tok, ids)
+    model0 = train.initial_model(S, tok, ids)
     cfg = model0.config
-    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-    print(f"machine: {device} ({hw}), torch {torch.__version__} with {torch.get_num_threads()} thread(s), "
-          f"{platform.platform()}")
+    print(machine(str(device)))
     print(f"model: {model0.num_params() / 1e6:.2f}M params ({cfg.num_hidden_layers} layers, width "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}); data {S.data_dir}; batch {S.batch_size} rows "
           f"(micro {S.micro_batch_size}); B={S.block_size}; dtype {S.dtype}; median of {a.steps} steps "

@@ -87,7 +87,7 @@ class Settings:
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
     max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
-    lr: float = 0.001
+    lr: float = 1e-3
     min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
     warmup_frac: float = 0.03
     weight_decay: float = 0.1  # matrices only (not biases, norms)
@@ -333,6 +333,19 @@ def special_ids(S):
 
 
 @torch.no_grad()
+def initial_model(S, tok, ids):
+    """The model a fresh run starts from: a new Qwen2 of the scratch settings, or init_from."""
+    if S.init_from == "scratch":
+        cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(ids.values()) + 1),
+                          hidden_size=S.n_embd, intermediate_size=S.intermediate, num_hidden_layers=S.n_layer,
+                          num_attention_heads=S.n_head, num_key_value_heads=S.n_kv_head,
+                          max_position_embeddings=2 * S.max_len + 64, eos_token_id=ids["eos"])
+        return init_weights(Qwen2(cfg), S.init_std, S.seed)
+    if not os.path.isdir(S.init_from):
+        raise SystemExit(f"init_from={S.init_from!r}: neither 'scratch' nor a directory")
+    return Qwen2.from_pretrained(S.init_from)
+
+
 def val_loss(runner, net, val, S, ids, rank, world, device, amp):
     """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
@@ -407,16 +420,8 @@ def train(S, rank, world, device):
     # ---- the model
     if state is not None:
         model = Qwen2.from_pretrained(ckpt)
-    elif S.init_from == "scratch":
-        cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(ids.values()) + 1),
-                          hidden_size=S.n_embd, intermediate_size=S.intermediate, num_hidden_layers=S.n_layer,
-                          num_attention_heads=S.n_head, num_key_value_heads=S.n_kv_head,
-                          max_position_embeddings=2 * S.max_len + 64, eos_token_id=ids["eos"])
-        model = init_weights(Qwen2(cfg), S.init_std, S.seed)
-    elif os.path.isdir(S.init_from):
-        model = Qwen2.from_pretrained(S.init_from)
     else:
-        raise SystemExit(f"init_from={S.init_from!r}: neither 'scratch' nor a directory")
+        model = initial_model(S, tok, ids)
     cfg = model.config
     top = max(ids["mask"], int(data["train"]["ids"].max()), int(data["val"]["ids"].max(initial=0)))
     if cfg.vocab_size <= top:
