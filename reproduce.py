@@ -89,9 +89,14 @@ def arg(k, v):
     return f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
 
 
+def typed(cmd):
+    """The command as a reader types it: `python script.py ...` (not this interpreter's path)."""
+    return " ".join(["python", *cmd[1:]])
+
+
 def shown(cmd):
     """The command as RESULTS.md shows it: `$ python script.py ...`."""
-    return "$ " + " ".join(["python", *cmd[1:]])
+    return "$ " + typed(cmd)
 
 
 def run(cmd, env, log=None, out=None):
@@ -330,7 +335,7 @@ def main(argv=None):
     with open(a.config) as f:
         root = f"{a.out}/{A}+{M}-{digest(TRAIN_SOURCES, f.read())}"
     data_dir = f"{root}/data" if S.data_dir == train.Settings.data_dir else S.data_dir  # fresh default data
-    jobs = a.jobs or max(1, min(4, (os.cpu_count() or 1) // max(1, a.threads)))
+    jobs = a.jobs if a.jobs is not None else max(1, min(4, (os.cpu_count() or 1) // max(1, a.threads)))
     if jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {jobs}")
     P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir, "jobs": jobs}
@@ -357,14 +362,13 @@ def main(argv=None):
     cmds = []
     if data_dir != S.data_dir:  # the default data set, built from the sources hashed into root
         dcmd = [py, "data/synthetic.py", f"--out={data_dir}", f"--seed={S.seed}"]
-        cmds.append(" ".join(["python", *dcmd[1:]]))
+        cmds.append(typed(dcmd))
         if not os.path.isfile(f"{data_dir}/val.npz") and not a.dry_run and not run(dcmd, env):
             raise SystemExit("building the data set failed")
     results, todo = {}, []
     for i, v in enumerate(vs):
         n = v["name"]
-        cmds += [" ".join(["python", *v["train_cmd"][1:]]),
-                 " ".join(["python", *v["eval_cmd"][1:]]) + f" --json={a.results}/{n}.json"]
+        cmds += [typed(v["train_cmd"]), typed(v["eval_cmd"]) + f" --json={a.results}/{n}.json"]
         old = load_json(f"{a.results}/{n}.json")
         done = (os.path.isfile(f"{v['ckpt']}/model.safetensors") and old is not None
                 and old.get("ckpt") == v["ckpt"] and old.get("eval_key") == eval_key)
@@ -399,23 +403,23 @@ def main(argv=None):
     stop = threading.Event()
     if jobs > 1:  # their output goes to files: show each running training's latest progress line
         threading.Thread(target=progress, args=(todo, running, stop, since), daemon=True).start()
-    with ThreadPoolExecutor(jobs) as pool:
-        futures = {v["name"]: pool.submit(one, v) for v in first}
-        if "ar_stage" in futures:
-            futures["ar_stage"].result()
-        for v in todo:
-            if v["name"] not in futures:
-                futures[v["name"]] = pool.submit(one, v)
-        try:
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            futures = {v["name"]: pool.submit(one, v) for v in first}
+            if "ar_stage" in futures:
+                futures["ar_stage"].result()  # raises its SystemExit if it failed
+            for v in todo:
+                if v["name"] not in futures:
+                    futures[v["name"]] = pool.submit(one, v)
             got = {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
-        finally:
-            stop.set()
+    finally:
+        stop.set()
     results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
     for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
         log = f"{a.results}/{name}.txt"
         if a.skip_bench or "mars_b4" not in results or not os.path.isfile(os.path.join(HERE, cmd[1])):
             continue
-        cmds.append(shown(cmd)[2:] + f" > {log}")
+        cmds.append(typed(cmd) + f" > {log}")
         if first_line(log) == shown(cmd):  # this very benchmark ran before
             print(f"\n[bench] {name}: done, skipped ({log})", flush=True)
             continue
