@@ -54,6 +54,7 @@ from checkpoint import (
 )
 from data.prepare import load_npz
 from mars import ar_loss, collate, mars_loss, pad_row
+from memory import memory_parts
 from model import Qwen2, Qwen2Config, init_weights
 
 STAGES = ("ar", "mars")
@@ -236,45 +237,6 @@ def make_optimizer(net, S, device):
               {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
     kw = {"fused": True} if device.type == "cuda" and not S.fsdp else {"foreach": True}
     return torch.optim.AdamW(groups, lr=S.lr, betas=(S.beta1, S.beta2), **kw)
-
-
-def memory_parts(cfg, S, world=1):
-    """Peak memory of one training process by part, in bytes: an estimate, on the high side.
-
-    P = parameters (a tied matrix once), s = world under FSDP else 1, b = micro_batch_size,
-    l = max_len rounded up to B, T = 2l tokens per row (MARS: two streams, the peak),
-    h, kv = n_kv_heads * head_dim, i (MLP), L (layers), V (vocab):
-      weights, grads  4P/s each    fp32 master weights (what AdamW updates) and gradients
-      adamw           8P/s         exp_avg + exp_avg_sq, fp32
-      lowp            2P           bf16 weight copies made by autocast (none in fp32); under
-                                   FSDP the gathered bf16 root (embeddings, head) + 2 layers
-      acts            b*T*L*a      saved for backward, a = 32h + 4kv + 8i bytes per token and
-                                   layer in bf16 (fp32 residual into two norms: 16h; q, k before
-                                   and after RoPE, GQA-expanded k and v, attention output: 14h +
-                                   4kv; qkv and MLP inputs: 4h; gate, up, silu, product: 8i), 2a
-                                   in fp32. With checkpointing b*T*(L*4h + a): each layer's
-                                   fp32 input, plus one layer recomputed
-      logits          b*l*V*(4k+6) the LM head runs on the <= b*l loss targets only (mars);
-                                   k = 2 CE streams (1 if w_ar = 0) keep fp32 log-probs, plus
-                                   one stream's fp32 and bf16 gradient
-      cuda            1 GiB        CUDA context, allocator slack
-    """
-    h, kv, i = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-    L, V = cfg.num_hidden_layers, cfg.vocab_size
-    root = V * h * (1 if cfg.tie_word_embeddings else 2) + h
-    layer = 2 * h * (h + kv) + (h + 2 * kv) + 3 * h * i + 2 * h
-    P, s, bf16 = root + L * layer, world if S.fsdp else 1, S.dtype != "float32"
-    b, l = S.micro_batch_size, -(-S.max_len // S.block_size) * S.block_size
-    a = (32 * h + 4 * kv + 8 * i) * (1 if bf16 else 2)
-    return {"weights": 4 * P // s, "grads": 4 * P // s, "adamw": 8 * P // s,
-            "lowp": 2 * bf16 * (root + 2 * layer if S.fsdp and world > 1 else P),
-            "acts": b * 2 * l * ((L * 4 * h + a) if S.gradient_checkpointing else L * a),
-            "logits": b * l * V * (4 * (2 if S.w_ar > 0 else 1) + 6), "cuda": 2**30}
-
-
-def estimate_memory(cfg, S, world=1):
-    """Estimated peak bytes of one training process (the sum of memory_parts)."""
-    return sum(memory_parts(cfg, S, world).values())
 
 
 def plot_losses(S, totals):

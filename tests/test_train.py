@@ -35,6 +35,7 @@ import torch
 from conftest import make_hf_model, write_rows
 from safetensors.torch import load_file
 
+import memory
 import train
 from model import Qwen2, Qwen2Config
 from tokenizer import Tokenizer, train_bpe
@@ -416,7 +417,7 @@ def test_named_configs(tmp_path):
     with torch.device("meta"):
         n = Qwen2(q05).num_params()
     assert 490e6 < n < 500e6  # Qwen2.5-0.5B: 494M
-    assert train.memory_parts(q05, small)["weights"] == 4 * n  # fp32 master weights
-    assert 16 * n < train.estimate_memory(q05, small) <= 24e9
+    assert memory.memory_parts(q05, small)["weights"] == 4 * n  # fp32 master weights
+    assert 16 * n < memory.estimate_memory(q05, small) <= 24e9
     no_ckpt = replace(small, gradient_checkpointing=False)
-    assert train.estimate_memory(q05, no_ckpt) > train.estimate_memory(q05, small) + 4e9
+    assert memory.estimate_memory(q05, no_ckpt) > memory.estimate_memory(q05, small) + 4e9
