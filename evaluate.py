@@ -18,7 +18,7 @@ import time
 import torch
 
 from data.synthetic import FAMILIES, is_correct, read_jsonl
-from generate import generate
+from generate import accept, candidates, generate, nocache_logits
 from model import Qwen2
 from tokenizer import Tokenizer
 
@@ -33,10 +33,43 @@ def mars_settings(ckpt):
 
 
 @torch.no_grad()
+def wrong_steps_by_phase(model, tok, problems, block_size, tau, batch_size=256):
+    """How often one §5 step accepts a wrong extra token, by the phase of its prefix.
+
+    Along each reference reply, one step of the τ rule from every prefix (prompt plus
+    the first i reply tokens, up to its <|im_end|>): the step is *wrong* when c_0 is
+    right but the rule also accepts a c_j (j >= 1) that differs from the reference.
+    The phase is the prefix length mod B. Training forms its noisy blocks at multiples
+    of B from index 0 (§2-3), so only phase 0 matches what training ever showed; a
+    decoder that accepted 1..B tokens per step starts its next step at any phase.
+    -> {phase: [steps, wrong steps]} (steps counted only where c_0 is right).
+    """
+    B, out = block_size, {r: [0, 0] for r in range(block_size)}
+    work = []  # (prefix, the reference tokens that follow it, at most B)
+    for p in problems:
+        prompt = tok.encode_chat(p["messages"][:-1], add_generation_prompt=True)
+        full = tok.encode_chat(p["messages"])
+        end = full.index(tok.eos_id, len(prompt)) + 1  # the reply up to its <|im_end|>
+        work += [(full[:n], full[n:min(n + B, end)]) for n in range(len(prompt), end)]
+    for i in range(0, len(work), batch_size):
+        chunk = work[i:i + batch_size]
+        cands, probs = candidates(nocache_logits(model, [w[0] for w in chunk], B, tok.mask_id))
+        n_acc = accept(probs, tau).tolist()
+        for (prefix, ref), c, n in zip(chunk, cands.tolist(), n_acc):
+            if c[0] != ref[0]:
+                continue
+            k = min(n, len(ref))
+            out[len(prefix) % B][0] += 1
+            out[len(prefix) % B][1] += c[:k] != ref[:k]
+    return out
+
+
+@torch.no_grad()
 def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, split="test",
              limit=None, batch_size=50, max_new_tokens=96, cache="window", device="cpu",
-             model=None, verbose=True):
-    """{tau: {"accuracy", "tokens_per_forward", "per_family", "seconds"}} on `split`."""
+             model=None, verbose=True, by_phase=()):
+    """{tau: {"accuracy", "tokens_per_forward", "per_family", "seconds"}} on `split`; each τ
+    of `by_phase` also gets "wrong_steps_by_phase" (wrong_steps_by_phase)."""
     tok = Tokenizer.from_dir(ckpt)
     block_size = block_size or mars_settings(ckpt).get("block_size", 4)
     model = model if model is not None else Qwen2.from_pretrained(ckpt, device=device).eval()
@@ -67,6 +100,12 @@ def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, sp
             fams = "  ".join(f"{f} {a:.0f}" for f, a in r["per_family"].items())
             print(f"tau={tau:<5} accuracy {r['accuracy']:5.1f}%  tokens/forward "
                   f"{r['tokens_per_forward']:.2f}  ({fams})  {r['seconds']:.0f}s", flush=True)
+        if tau in by_phase:
+            ph = wrong_steps_by_phase(model, tok, problems, block_size, tau)
+            results[tau]["wrong_steps_by_phase"] = ph
+            if verbose:
+                print("  one step from each prefix of the reference replies, wrong extra token accepted:  "
+                      + "  ".join(f"phase {r}: {w}/{n}" for r, (n, w) in ph.items()), flush=True)
     return results
 
 
@@ -79,12 +118,16 @@ def main(argv=None):
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--cache", default="window", choices=["window", "block", "none"])
+    ap.add_argument("--by-phase", default="", metavar="TAUS",
+                    help="comma-separated τ values (of --taus) at which to also count wrong steps by "
+                         "prefix length mod B (wrong_steps_by_phase)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     a = ap.parse_args(argv)
     if not os.path.isdir(a.ckpt):
         sys.exit(f"error: checkpoint directory not found: {a.ckpt}")
     res = evaluate(a.ckpt, a.data_dir, [float(t) for t in a.taus.split(",")], a.block_size,
-                   a.split, a.limit, cache=a.cache)
+                   a.split, a.limit, cache=a.cache,
+                   by_phase=[float(t) for t in a.by_phase.split(",") if t])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -54,6 +54,7 @@ PAPER_MULTI = {"mars_b4": "0.5B: −1.4 at 1.46; 7B: −1.3 at 1.68", "mars_b8":
 PAPER_SWEEP = {1.0: (73.2, 1.00), 0.95: (71.0, 1.79), 0.9: (70.3, 1.96), 0.8: (67.7, 2.19),
                0.7: (63.8, 2.37), 0.6: (60.3, 2.55), 0.5: (56.0, 2.77)}
 PAPER_BD = {"mars_b4": "30.4", "bidir_b4": "22.8 (BBH 7.5)"}
+PHASE = ("mars_b4", "bidir_b4"), 0.95  # evaluate.py --by-phase: these variants, at this τ
 
 
 def digest(paths, extra=""):
@@ -195,6 +196,18 @@ def write_results(R, results, meta, cmds):
     L += table(["variant", "acc τ=1", *FAMILY_COLS, "acc τ=0.95", "tokens/forward τ=0.95", "paper avg 0.5B"],
                [[label(n), fmt(acc(n)), *(fmt(fam(n, f), ".0f") for f in FAMILY_COLS), fmt(acc(n, 0.95)),
                  fmt(tpf(n, 0.95), ".2f"), PAPER_BD[n]] for n in ("mars_b4", "bidir_b4")])
+    ph = lambda n: (res(results, n, PHASE[1]) or {}).get("wrong_steps_by_phase")
+    if have := [n for n in PHASE[0] if ph(n)]:
+        L += ["", f"## Where the τ rule goes wrong: by the phase of the prefix (τ = {PHASE[1]})", "",
+              f"One step of §5 from every prefix of the {meta['n_test']} reference replies (`evaluate.py "
+              "--by-phase`): the share of steps, among those whose c_0 is right, that also accept a wrong "
+              "token. Training forms its noisy blocks at multiples of B from index 0, so only phase 0 "
+              "(prefix length a multiple of B) is a case training showed as such; a decoder that accepts "
+              "1..B tokens per step meets every phase. The data's four system turns (data/synthetic.py) "
+              "vary each row's phase so that every reply token is trained at every lookahead.", ""]
+        L += table(["variant", *(f"phase {r}" for r in range(4))],
+                   [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in
+                                 (ph(n).get(str(r), ph(n).get(r)) for r in range(4)))] for n in have])
     benches = [("Training cost (bench_train.py)", "bench_train.txt",
                 "Paper: about 2x the AR SFT time and about 1.5x its peak memory."),
                ("Decoding speed (bench_generate.py)", "bench_generate.txt",
@@ -353,7 +366,8 @@ def main(argv=None):
                           f"--data_dir={data_dir}", f"--out_dir={v['out_dir']}", "--eval_at_end=false"]
         vt = [t for t in taus if t in v.get("taus", taus)]
         v["eval_cmd"] = [py, "evaluate.py", f"--ckpt={v['ckpt']}", f"--data-dir={data_dir}",
-                         f"--taus={','.join(map(str, vt))}", *([f"--limit={limit}"] if limit else [])]
+                         f"--taus={','.join(map(str, vt))}", *([f"--limit={limit}"] if limit else []),
+                         *([f"--by-phase={PHASE[1]}"] if v["name"] in PHASE[0] and PHASE[1] in vt else [])]
     print(f"reproduce: {len(vs)} variants, A={A} AR + M={M} MARS steps, eval on {limit or 'all'} test "
           f"problems at τ in {taus}; {jobs} job(s) of {a.threads} thread(s); checkpoints in {root}, "
           f"results in {a.results}", flush=True)

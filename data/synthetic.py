@@ -29,9 +29,17 @@ WORDS = ["cat", "dog", "fox", "owl", "bee", "cow", "hen", "pig", "rat", "yak", "
 ITEMS = ["apple", "pear", "plum", "fig", "lime", "kiwi", "melon", "grape", "peach", "mango",
          "lemon", "berry", "olive", "date", "cherry", "guava"]
 FAMILIES = ("arith", "list", "words", "lookup")
-# A short system turn instead of Qwen2.5's default one (18 tokens on every row):
-# on a CPU every token of a row costs training time.
-SYSTEM = "Solve the task."
+# Short system turns instead of Qwen2.5's default one (18 tokens on every row): on a
+# CPU every token of a row costs training time. Four of them, one to four tokens
+# longer than the shortest, drawn at random per row: they set the row's *phase*, the
+# offset of its reply against the blocks of B (anchored at index 0, MARS_SPEC §2).
+# Templated replies put every answer token at a position fixed by the task's shape,
+# so with one system turn each answer token would be trained at a single lookahead
+# (§3) and asked at another at inference, where a step starts anywhere (§5); the
+# model's confident guesses there were the whole loss of accuracy at τ < 1. On real
+# chat data lengths vary by themselves.
+SYSTEMS = ("Solve the task.", "Solve the next task.", "Please solve the next task.",
+           "Please solve the next task now.")
 ANSWER_RE = re.compile(r"The answer is (.+?)\.\s*$")
 
 
@@ -65,8 +73,10 @@ def _lookup(rng):
     table = {k: rng.choice(WORDS) for k in keys}
     ask = rng.choice(keys)
     shown = ", ".join(f"{k} {table[k]}" for k in keys)
-    return (f"Table: {shown}. Look up {ask}.",
-            [f"We look up {ask}.", f"The table says {ask} {table[ask]}."], table[ask])
+    # The question comes first, so the table holds the latest earlier copy of the key
+    # (the one followed by its value) when the reply names it again.
+    return (f"Look up {ask} in the table: {shown}.",
+            [f"The table says {ask} {table[ask]}."], table[ask])
 
 
 MAKERS = {"arith": _arith, "list": _list, "words": _words, "lookup": _lookup}
@@ -76,7 +86,7 @@ def make_problem(rng, family):
     prompt, steps, answer = MAKERS[family](rng)
     reply = "\n".join(steps + [f"The answer is {answer}."])
     return {"family": family, "answer": answer,
-            "messages": [{"role": "system", "content": SYSTEM},
+            "messages": [{"role": "system", "content": rng.choice(SYSTEMS)},
                          {"role": "user", "content": prompt},
                          {"role": "assistant", "content": reply}]}
 
