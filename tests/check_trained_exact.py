@@ -1,6 +1,6 @@
 """Manual check (not collected by pytest, not counted as CI coverage): exact mode on the
 TRAINED default checkpoint equals HF `generate(do_sample=False)` on held-out prompts while
-using fewer forwards than tokens. Needs `python train.py` first (about 13 min on 2 cores).
+using fewer forwards than tokens. Needs `python train.py` first (about 15 min on 2 cores).
 
     python tests/check_trained_exact.py [out/default/mars] [data/default]
 """
