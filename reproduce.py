@@ -21,7 +21,7 @@ to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training,
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
     python reproduce.py --quick    # A, M / 4 (750 + 1000 steps), 100 test problems: under 30 min on 2 cores
-    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): 90 min
+    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): 80-90 min
                                    # on 2 cores (two 1-thread jobs; one 2-thread job took about 2 h)
     python reproduce.py --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
 """
@@ -204,7 +204,8 @@ def write_results(R, results, meta, cmds):
               "token. Training forms its noisy blocks at multiples of B from index 0, so only phase 0 "
               "(prefix length a multiple of B) is a case training showed as such; a decoder that accepts "
               "1..B tokens per step meets every phase. The data's four system turns (data/synthetic.py) "
-              "vary each row's phase so that every reply token is trained at every lookahead.", ""]
+              "vary each row's phase mod 4, so that at B = 4 every reply token is trained at every "
+              "lookahead (for B = 8 and 16 only part of the phases are covered).", ""]
         L += table(["variant", *(f"phase {r}" for r in range(4))],
                    [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in
                                  (ph(n).get(str(r), ph(n).get(r)) for r in range(4)))] for n in have])
