@@ -7,6 +7,7 @@ Tokens per forward = generated tokens / forward passes, summed over all problems
 (a problem's forwards are the steps run while it was still generating).
 
     python evaluate.py --ckpt out/default/mars --taus 1,0.9
+    python evaluate.py --ckpt out/default/mars --taus 0.95 --by-phase 0.95   # wrong steps by phase
 """
 
 import argparse
@@ -60,7 +61,7 @@ def wrong_steps_by_phase(model, tok, problems, block_size, tau, batch_size=256):
                 continue
             k = min(n, len(ref))
             out[len(prefix) % B][0] += 1
-            out[len(prefix) % B][1] += c[:k] != ref[:k]
+            out[len(prefix) % B][1] += int(c[:k] != ref[:k])
     return out
 
 
@@ -125,9 +126,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not os.path.isdir(a.ckpt):
         sys.exit(f"error: checkpoint directory not found: {a.ckpt}")
-    res = evaluate(a.ckpt, a.data_dir, [float(t) for t in a.taus.split(",")], a.block_size,
-                   a.split, a.limit, cache=a.cache,
-                   by_phase=[float(t) for t in a.by_phase.split(",") if t])
+    taus = [float(t) for t in a.taus.split(",")]
+    by_phase = [float(t) for t in a.by_phase.split(",") if t]
+    if missing := [t for t in by_phase if t not in taus]:
+        sys.exit(f"error: --by-phase {a.by_phase}: {missing} not among --taus {a.taus}")
+    res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
+                   by_phase=by_phase)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

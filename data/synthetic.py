@@ -30,8 +30,8 @@ ITEMS = ["apple", "pear", "plum", "fig", "lime", "kiwi", "melon", "grape", "peac
          "lemon", "berry", "olive", "date", "cherry", "guava"]
 FAMILIES = ("arith", "list", "words", "lookup")
 # Short system turns instead of Qwen2.5's default one (18 tokens on every row): on a
-# CPU every token of a row costs training time. Four of them, one to four tokens
-# longer than the shortest, drawn at random per row: they set the row's *phase*, the
+# CPU every token of a row costs training time. Four of them, 4 to 7 tokens long with
+# the default tokenizer, drawn at random per row: they set the row's *phase*, the
 # offset of its reply against the blocks of B (anchored at index 0, MARS_SPEC §2).
 # Templated replies put every answer token at a position fixed by the task's shape,
 # so with one system turn each answer token would be trained at a single lookahead
