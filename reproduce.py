@@ -206,9 +206,9 @@ def write_results(R, results, meta, cmds):
               "1..B tokens per step meets every phase. The data's four system turns (data/synthetic.py) "
               "vary each row's phase mod 4, so that at B = 4 every reply token is trained at every "
               "lookahead (for B = 8 and 16 only part of the phases are covered).", ""]
-        L += table(["variant", *(f"phase {r}" for r in range(4))],
-                   [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in
-                                 (ph(n).get(str(r), ph(n).get(r)) for r in range(4)))] for n in have])
+        L += table(["variant", *(f"phase {r}" for r in ph(have[0]))],  # {phase: [steps, wrong]}
+                   [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in ph(n).values())]
+                    for n in have])
     benches = [("Training cost (bench_train.py)", "bench_train.txt",
                 "Paper: about 2x the AR SFT time and about 1.5x its peak memory."),
                ("Decoding speed (bench_generate.py)", "bench_generate.txt",

@@ -294,7 +294,6 @@ def special_ids(S):
     return tok, ids
 
 
-@torch.no_grad()
 def initial_model(S, tok, ids):
     """The model a fresh run starts from: a new Qwen2 of the scratch settings, or init_from."""
     if S.init_from == "scratch":
@@ -308,6 +307,7 @@ def initial_model(S, tok, ids):
     return Qwen2.from_pretrained(S.init_from)
 
 
+@torch.no_grad()
 def val_loss(runner, net, val, S, ids, rank, world, device, amp):
     """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
