@@ -1,0 +1,1 @@
+"""Small helpers that are not part of the method: atomic files, precision, memory estimate, run log."""
