@@ -3,13 +3,17 @@
 The model stays loaded; `/tau X` sets τ for the next reply (τ is a per-request number, §5),
 so one session can compare AR (`/tau 1`) and multi-token replies. Tokens accepted in the
 same forward share a colour when the output is a terminal. The conversation is kept and
-re-templated (ChatML) every turn.
+re-templated with the checkpoint's chat template every turn.
+
+The chat knows no model and no decoding rule: it gets a `decode(prompts, knob)` function
+that yields decoding.Step's (generate.py builds it from the command line) and the Knob
+whose τ that decoder reads before every step.
 """
 
 import sys
 import time
 
-from generate import Knob, check_tau, decode_steps
+from decoding import check_tau
 
 
 class Printer:
@@ -39,11 +43,10 @@ class Printer:
             self.shown = text
 
 
-def chat(model, tok, args, mask_id, eos_ids):
-    """Interactive chat; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
-    knob, messages = Knob(args.tau), []
-    print(f"MARS chat (B={args.block_size}, tau={args.tau}, cache={args.cache}); "
-          "/tau X changes tau, /quit leaves")
+def chat(tok, decode, knob, eos_ids, header=""):
+    """Interactive chat on stdin/stdout; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
+    messages = []
+    print(f"MARS chat ({header}); /tau X changes tau, /quit leaves")
     while True:
         try:
             line = input("> ")
@@ -66,7 +69,7 @@ def chat(model, tok, args, mask_id, eos_ids):
         messages.append({"role": "user", "content": line})
         try:
             ids = tok.encode_chat(messages, add_generation_prompt=True)
-            steps = decode_steps(model, [ids], args, knob, mask_id, eos_ids)
+            steps = decode([ids], knob)
             t0, printer, step = time.perf_counter(), Printer(tok, eos_ids, sys.stdout.isatty()), None
             for step in steps:
                 printer.add(step.tokens[0])

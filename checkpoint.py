@@ -1,52 +1,93 @@
-"""Checkpoint files of train.py: atomic directory writes, resume state, released models.
+"""Checkpoint directories: the one opener of a released model, and train.py's files (§7).
 
-Every directory is written to `NAME.tmp` and renamed into place (`replace_dir`), so a
-crash or Ctrl-C never leaves half a checkpoint; `recover_dir` repairs a kill between
-the two renames. A resume point (`out_dir/ckpt`) is an HF-layout model plus
-`train_state.pt` holding only tensors and plain containers, read back with
-`torch.load(..., weights_only=True)`. A released stage (`out_dir/ar`, `out_dir/mars`) is
-a plain Qwen2 directory that transformers loads, with the tokenizer, the generation
-config and `mars.json` (B, mask id, training settings).
+`load_checkpoint(dir)` is how generate.py, evaluate.py and the scripts open a model: the
+weights (model.py), the tokenizer when the directory has one, the MARS settings it was
+trained with (`mars.json`: B, the `<|mask|>` id) and its EOS ids. It knows nothing of
+decoding.
+
+train.py writes two kinds of directory, each atomically (util.atomic.replace_dir), so a
+crash or Ctrl-C never leaves half a checkpoint:
+  out_dir/ckpt            a resume point: an HF-layout model plus `train_state.pt`, which
+                          holds only tensors and plain containers and is read back with
+                          `torch.load(..., weights_only=True)`;
+  out_dir/ar, out_dir/mars  a released stage: a plain Qwen2 directory that transformers
+                          loads, with the tokenizer, generation_config.json and mars.json.
 """
 
 import json
 import os
-import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from model import Qwen2
+from tokenizer import Tokenizer
+from util.atomic import write_json
+
+DEFAULT_BLOCK_SIZE = 4  # the paper's main B (§7), used when a checkpoint does not say
 
 
-def replace_dir(final, write, *args):
-    """Write a directory atomically: write(tmp, *args) fills final.tmp, then final -> final.old,
-    final.tmp -> final, delete final.old. A reader sees the old or the new directory, never
-    half of one; recover_dir repairs a kill between the two renames."""
-    tmp, old = final + ".tmp", final + ".old"
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
-    os.makedirs(tmp)
-    write(tmp, *args)
-    for name in os.listdir(tmp):  # on disk before the rename makes them visible
-        with open(os.path.join(tmp, name), "rb") as f:
-            os.fsync(f.fileno())
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+# ----------------------------------------------------------------------------- opening a release
+@dataclass
+class Checkpoint:
+    path: str
+    model: Qwen2
+    tok: Tokenizer | None  # None: the directory has no tokenizer files (raw ids only)
+    block_size: int | None  # B the model was trained with (mars.json); None = not recorded
+    mask_id: int | None  # <|mask|>: mars.json, else the tokenizer's; None = unknown
+    eos_ids: tuple[int, ...]  # ids that end a reply (§5.6); () = generate to the limit
+    mars: dict  # mars.json as saved ({} when absent)
 
 
-def recover_dir(final):
-    """Finish or undo what replace_dir left: an only .old comes back; .tmp and .old go."""
-    tmp, old = final + ".tmp", final + ".old"
-    if not os.path.exists(final) and os.path.exists(old):
-        os.replace(old, final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
+def read_json(path, name):
+    """dir/name as a dict, {} when the file is absent; a broken file is a clear error."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return d
 
 
+def open_tokenizer(path):
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    try:
+        return Tokenizer.from_dir(path)
+    except FileNotFoundError:
+        return None
+
+
+def eos_ids_of(path, tok):
+    """EOS ids: generation_config.json / config.json eos_token_id, plus the tokenizer's
+    <|im_end|> and <|endoftext|> (§5.6)."""
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        eos = read_json(path, name).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tok is not None:
+        ids.update([tok.eos_id, tok.endoftext_id])
+    return tuple(sorted(ids))
+
+
+def load_checkpoint(path, device="cpu", dtype=torch.float32, model=None):
+    """Open an HF-layout directory (ours, a converted one, or the authors' release) ->
+    `Checkpoint`. `model` skips loading the weights again (a caller that already has them)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    tok, mars = open_tokenizer(path), read_json(path, "mars.json")
+    mask_id = mars.get("mask_id", getattr(tok, "mask_id", None))
+    if model is None:
+        model = Qwen2.from_pretrained(path, dtype, device).eval()
+    return Checkpoint(path, model, tok, mars.get("block_size"), mask_id, eos_ids_of(path, tok), mars)
+
+
+# ----------------------------------------------------------------------------- train.py's files
 def gather(net, opt, S, cfg, rank):
     """(whole model, optimizer state dict) on rank 0, (None, None) elsewhere; under FSDP
     gathered to CPU from the shards (a collective: every rank calls it)."""
@@ -82,9 +123,8 @@ def write_release(tmp, model, S, ids, tok, stage, eos_ids):
            "do_sample": False}
     meta = {"block_size": S.block_size, "mask_id": ids["mask"], "eos_id": ids["eos"], "pad_id": ids["pad"],
             "stage": stage, "settings": asdict(S)}
-    for name, obj in (("generation_config.json", gen), ("mars.json", meta)):
-        with open(os.path.join(tmp, name), "w") as f:
-            json.dump(obj, f, indent=2)
+    write_json(os.path.join(tmp, "generation_config.json"), gen)
+    write_json(os.path.join(tmp, "mars.json"), meta)
 
 
 def write_checkpoint(tmp, model, osd, S, stage, step, data_id):
@@ -92,10 +132,3 @@ def write_checkpoint(tmp, model, osd, S, stage, step, data_id):
     model.save_pretrained(tmp)
     torch.save({"stage": stage, "step": step, "optimizer": osd, "settings": asdict(S), "data": data_id},
                os.path.join(tmp, "train_state.pt"))
-
-
-def read_log(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:  # skip a last line cut short by a kill
-        return [json.loads(line) for line in f if line.endswith("\n")]

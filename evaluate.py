@@ -11,30 +11,21 @@ Tokens per forward = generated tokens / forward passes, summed over all problems
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
+from checkpoint import DEFAULT_BLOCK_SIZE, load_checkpoint
 from data.synthetic import FAMILIES, is_correct, read_jsonl
-from generate import accept, candidates, generate, nocache_logits
-from model import Qwen2
-from tokenizer import Tokenizer
-
-
-def mars_settings(ckpt):
-    """block_size / mask_id saved by train.py next to the weights (mars.json)."""
-    path = os.path.join(ckpt, "mars.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+from decoding import candidates
+from generate import accept, generate, nocache_logits
+from util.atomic import write_json
 
 
 @torch.no_grad()
-def wrong_steps_by_phase(model, tok, problems, block_size, tau, batch_size=256):
+def wrong_steps_by_phase(model, tok, problems, block_size, tau, mask_id=None, batch_size=256):
     """How often one §5 step accepts a wrong extra token, by the phase of its prefix.
 
     Along each reference reply, one step of the τ rule from every prefix (prompt plus
@@ -46,6 +37,7 @@ def wrong_steps_by_phase(model, tok, problems, block_size, tau, batch_size=256):
     -> {phase: [steps, wrong steps]} (steps counted only where c_0 is right).
     """
     B, out = block_size, {r: [0, 0] for r in range(block_size)}
+    mask = tok.mask_id if mask_id is None else mask_id
     work = []  # (prefix, the reference tokens that follow it, at most B)
     for p in problems:
         prompt = tok.encode_chat(p["messages"][:-1], add_generation_prompt=True)
@@ -54,7 +46,7 @@ def wrong_steps_by_phase(model, tok, problems, block_size, tau, batch_size=256):
         work += [(full[:n], full[n:min(n + B, end)]) for n in range(len(prompt), end)]
     for i in range(0, len(work), batch_size):
         chunk = work[i:i + batch_size]
-        cands, probs = candidates(nocache_logits(model, [w[0] for w in chunk], B, tok.mask_id))
+        cands, probs = candidates(nocache_logits(model, [w[0] for w in chunk], B, mask))
         n_acc = accept(probs, tau).tolist()
         for (prefix, ref), c, n in zip(chunk, cands.tolist(), n_acc):
             if c[0] != ref[0]:
@@ -71,19 +63,20 @@ def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, sp
              model=None, verbose=True, by_phase=()):
     """{tau: {"accuracy", "tokens_per_forward", "per_family", "seconds"}} on `split`; each τ
     of `by_phase` also gets "wrong_steps_by_phase" (wrong_steps_by_phase)."""
-    tok = Tokenizer.from_dir(ckpt)
-    block_size = block_size or mars_settings(ckpt).get("block_size", 4)
-    model = model if model is not None else Qwen2.from_pretrained(ckpt, device=device).eval()
+    ck = load_checkpoint(ckpt, device, model=model)
+    tok, model, eos = ck.tok, ck.model, ck.eos_ids
+    if tok is None:
+        raise ValueError(f"{ckpt}: no tokenizer files (evaluation decodes text)")
+    block_size = block_size or ck.block_size or DEFAULT_BLOCK_SIZE
     problems = read_jsonl(os.path.join(data_dir, f"{split}.jsonl"))[:limit]
     prompts = [tok.encode_chat(p["messages"][:-1], add_generation_prompt=True) for p in problems]
-    eos = (tok.eos_id, tok.endoftext_id)
     results = {}
     for tau in taus:
         t0 = time.time()
         correct, tokens, forwards = [], 0, 0
         for i in range(0, len(prompts), batch_size):
             gens = generate(model, prompts[i:i + batch_size], block_size=block_size, tau=tau,
-                            max_new_tokens=max_new_tokens, mask_id=tok.mask_id, eos_ids=eos,
+                            max_new_tokens=max_new_tokens, mask_id=ck.mask_id, eos_ids=eos,
                             cache=cache)
             for p, g in zip(problems[i:i + batch_size], gens):
                 correct.append(is_correct(p, tok.decode([t for t in g.ids if t not in eos])))
@@ -102,7 +95,7 @@ def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, sp
             print(f"tau={tau:<5} accuracy {r['accuracy']:5.1f}%  tokens/forward "
                   f"{r['tokens_per_forward']:.2f}  ({fams})  {r['seconds']:.0f}s", flush=True)
         if tau in by_phase:
-            ph = wrong_steps_by_phase(model, tok, problems, block_size, tau)
+            ph = wrong_steps_by_phase(model, tok, problems, block_size, tau, ck.mask_id)
             results[tau]["wrong_steps_by_phase"] = ph
             if verbose:
                 print("  one step from each prefix of the reference replies, wrong extra token accepted:  "
@@ -133,8 +126,7 @@ def main(argv=None):
     res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
                    by_phase=by_phase)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(a.json, res)
 
 
 if __name__ == "__main__":

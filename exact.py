@@ -47,7 +47,7 @@ serves the batch. Finished rows idle (commit nothing).
 
 import torch
 
-from generate import Step, check_request, collect, logits_at, pad_rows
+from decoding import Rows, Step, candidates, check_request, collect, leading_run, logits_at, pad_rows
 from kvcache import KVCache
 from mars import exact_attention_mask
 
@@ -81,17 +81,15 @@ def verify(model, h, drafts):
     if k == 0:
         return torch.zeros_like(ar[:, 0]), ar[:, 0]
     d = pad_rows(drafts, PAD, h.device)  # (N, k)
-    a = (d == ar[:, :k]).long().cumprod(1).sum(1)  # leading run of d_i == argmax after d_{i-1}
+    a = leading_run(d == ar[:, :k])  # (N,): drafts kept while d_i == the argmax after d_{i-1}
     return a, ar.gather(1, a[:, None])[:, 0]
 
 
 def draft(logits, threshold):
     """Mask logits (N, g, V) -> drafts per row: the argmaxes, cut before the first whose
     fp32 softmax probability is below `threshold` (0 keeps all g)."""
-    logits = logits.float()
-    c = logits.argmax(-1)  # (N, g)
-    p = logits.softmax(-1).gather(-1, c[..., None])[..., 0]  # (N, g)
-    n = (p >= threshold).long().cumprod(1).sum(1)  # (N,)
+    c, p = candidates(logits)  # (N, g) each
+    n = leading_run(p >= threshold)  # (N,)
     return [row[:k] for row, k in zip(c.tolist(), n.tolist())]
 
 
@@ -108,21 +106,6 @@ def keep_verified(cache, a, going):
 
 
 # ---------------------------------------------------------------- the loop
-def emit(out, done, tokens, max_new, eos_ids):
-    """Append each generating row's new tokens to its output, stopping at max_new or just
-    after an EOS (what followed it is dropped, §5.6); a finished row gets nothing.
-    Updates out and done in place -> the tokens kept per row."""
-    kept = []
-    for b, toks in enumerate(tokens):
-        new = [] if done[b] else toks[: max_new - len(out[b])]
-        eos = next((i for i, t in enumerate(new) if t in eos_ids), None)
-        new = new if eos is None else new[: eos + 1]
-        out[b] += new
-        done[b] = done[b] or eos is not None or len(out[b]) >= max_new
-        kept.append(new)
-    return kept
-
-
 def check_exact(drafts, block_size, draft_threshold):
     if not 1 <= drafts <= block_size:
         raise ValueError(f"drafts must be in [1, block_size={block_size}] (the model was trained "
@@ -134,7 +117,7 @@ def check_exact(drafts, block_size, draft_threshold):
 @torch.no_grad()
 def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),
                 draft_threshold=0.0):
-    """Decode a batch of prompts in exact mode, yielding a generate.Step per forward.
+    """Decode a batch of prompts in exact mode, yielding a decoding.Step per forward.
 
     The tokens are exactly the greedy AR tokens (Step.tau is 1.0: the τ = 1 output).
     drafts: K, the drafts per step and the masks per group (1 <= K <= block_size, the
@@ -146,7 +129,7 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), next(model.parameters()).device
     cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + (1 + K) ** 2)
-    out, done = [[] for _ in range(N)], [False] * N
+    rows = Rows(N, max_new_tokens, eos_ids)
 
     # prefill: [prompt | G_0] plain causal; commit the prompt only
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -156,22 +139,22 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     c0 = logits[:, 0].float().argmax(-1).tolist()
     d = draft(logits[:, 1:], draft_threshold)
     forwards = 1
-    new = emit(out, done, [[c] for c in c0], max_new_tokens, eos_ids)
-    yield Step(new, list(done), forwards, 1.0)
+    new = rows.keep([[c] for c in c0])
+    yield Step(new, list(rows.done), forwards, 1.0)
 
-    while not all(done):
+    while not all(rows.done):
         # drafts past the budget could never be emitted: do not forward them
-        d = [[] if done[b] else d[b][: max_new_tokens - len(out[b]) - 1] for b in range(N)]
+        d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(N)]
         tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
         h = model.hidden(tokens, positions, mask, cache)  # (N, T, C)
         forwards += 1
         a, bonus = verify(model, h, d)
         d_next = draft(group_logits(model, h, a, max(map(len, d)), K), draft_threshold)
         emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
-        new = emit(out, done, emitted, max_new_tokens, eos_ids)
-        keep_verified(cache, a, ~torch.tensor(done, device=device))
+        new = rows.keep(emitted)
+        keep_verified(cache, a, ~torch.tensor(rows.done, device=device))
         c0, d = bonus.tolist(), d_next
-        yield Step(new, list(done), forwards, 1.0)
+        yield Step(new, list(rows.done), forwards, 1.0)
 
 
 def generate_exact(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),

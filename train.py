@@ -43,21 +43,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import (
-    gather,
-    load_optimizer,
-    read_log,
-    recover_dir,
-    replace_dir,
-    write_checkpoint,
-    write_release,
-)
+from checkpoint import gather, load_optimizer, write_checkpoint, write_release
 from data.prepare import load_npz
 from mars import ar_loss, collate, mars_loss, pad_row
-from memory import memory_parts
 from model import Qwen2, Qwen2Config, init_weights
-
-STAGES = ("ar", "mars")
+from util.atomic import atomic_write, recover_dir, replace_dir, write_json
+from util.memory import memory_parts
+from util.precision import DTYPES, autocast, compute_dtype
+from util.runlog import STAGES, RunLog, read_log
 
 
 @dataclass
@@ -159,8 +152,8 @@ def parse_settings(argv):
         for k, v in cfg.items():
             if not k.startswith("_"):
                 put(k, v, value, text=False)
-    if s.dtype not in ("auto", "float32", "bfloat16"):
-        raise SystemExit(f"dtype must be auto, float32 or bfloat16, got {s.dtype!r}")
+    if s.dtype not in DTYPES:
+        raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
     for k in ("block_size", "batch_size", "micro_batch_size", "log_interval", "eval_interval",
               "ckpt_interval"):
         if getattr(s, k) < 1:
@@ -258,9 +251,8 @@ def plot_losses(S, totals):
     ax.axvline(totals["ar"], color="gray", lw=0.8)
     ax.set(xlabel="optimizer step (AR SFT, then MARS)", ylabel="loss", yscale="log")
     ax.legend()
-    fig.savefig(os.path.join(S.out_dir, "loss.png.tmp"), format="png", dpi=100)
+    atomic_write(os.path.join(S.out_dir, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=100), "wb")
     plt.close(fig)
-    os.replace(os.path.join(S.out_dir, "loss.png.tmp"), os.path.join(S.out_dir, "loss.png"))
 
 
 # ----------------------------------------------------------------------------- training
@@ -334,20 +326,76 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
+@dataclass
+class Run:
+    """What one training process holds while it runs (built once by `train`)."""
+    S: Settings
+    rank: int
+    world: int
+    device: torch.device
+    data: dict  # "train", "val": prepared arrays (data/prepare.py)
+    tok: object  # tokenizer.Tokenizer or None
+    ids: dict  # special ids: "mask", "eos", "pad"
+    totals: dict  # optimizer steps per stage
+    model: Qwen2 = None
+    net: StageLoss = None  # the loss module DDP / FSDP wrap
+    runner: nn.Module = None  # what is called: net, compiled and/or DDP-wrapped
+    amp: object = None  # autocast context (util.precision)
+    log: RunLog = None
+    eos_ids: list = None
+
+    def say(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    @property
+    def ckpt(self):
+        return os.path.join(self.S.out_dir, "ckpt")
+
+
 def train(S, rank, world, device):
-    say = print if rank == 0 else (lambda *a: None)
-    accum, mb = S.batch_size // (world * S.micro_batch_size), S.micro_batch_size
-    if S.batch_size % (world * mb):
+    """The outline of a run: data, resume point, model, the two stages, the final evaluation."""
+    micro_batches(S, world)  # refuse a batch that does not split into the processes
+    r = Run(S, rank, world, device, *load_data(S, rank, world))
+    state = resume_point(r)
+    build_model(r, state)
+    here = (state["stage"], state["step"]) if state is not None else None
+    r.log = RunLog(os.path.join(S.out_dir, "log.jsonl"), here, enabled=rank == 0)
+    t = Timer()
+    first, first_step = (state["stage"], state["step"]) if state is not None else ("ar", 0)
+    for si, stage in enumerate(STAGES):
+        start, total = (first_step if stage == first else 0), r.totals[stage]
+        if si < STAGES.index(first) or start >= total:
+            continue  # done before the checkpoint, or a stage of 0 steps
+        run_stage(r, stage, start, state, t)
+    r.log.close()
+    r.say(f"training done in {t.elapsed() / 60:.1f} min")
+    if S.eval_at_end and rank == 0 and r.totals["mars"] > 0:
+        import evaluate  # the held-out accuracy at tau = 1 and 0.9 of the released model
+
+        result = evaluate.evaluate(os.path.join(S.out_dir, "mars"), S.data_dir, taus=(1.0, 0.9),
+                                   block_size=S.block_size, device=str(device))
+        write_json(os.path.join(S.out_dir, "eval.json"), result)
+        r.say(f"elapsed {t.elapsed() / 60:.1f} min (training and evaluation)")
+
+
+def micro_batches(S, world):
+    """Micro-batches per process and optimizer step (gradient accumulation)."""
+    if S.batch_size % (world * S.micro_batch_size):
         raise SystemExit(f"batch_size={S.batch_size} is not a multiple of {world} process(es) x "
-                         f"micro_batch_size={mb}")
-    # ---- data and special ids; the default data set is generated on first use
+                         f"micro_batch_size={S.micro_batch_size}")
+    return S.batch_size // (world * S.micro_batch_size)
+
+
+def load_data(S, rank, world):
+    """(data, tokenizer, special ids, steps per stage); the default data set is built on first use."""
     if not all(os.path.isfile(os.path.join(S.data_dir, f"{k}.npz")) for k in ("train", "val")):
         if S.data_dir != Settings.data_dir:
             raise SystemExit(f"{S.data_dir}: no train.npz / val.npz (make them with data/prepare.py)")
         if rank == 0:
             from data.synthetic import build_default
 
-            say(f"building the default data set in {S.data_dir}")
+            print(f"building the default data set in {S.data_dir}", flush=True)
             build_default(S.data_dir, S.seed)
         if world > 1:
             dist.barrier()
@@ -360,165 +408,186 @@ def train(S, rank, world, device):
     totals = {"ar": S.ar_steps, "mars": S.mars_steps}
     if S.epochs > 0:
         totals = dict.fromkeys(STAGES, math.ceil(S.epochs * n_train / S.batch_size))
-    # ---- the resume point (recovered first, should a kill have cut a save short)
-    ckpt, log_path, data_id = os.path.join(S.out_dir, "ckpt"), os.path.join(S.out_dir, "log.jsonl"), \
-        fingerprint(data["train"])
-    if rank == 0:
+    return data, tok, ids, totals
+
+
+def resume_point(r):
+    """The state saved in out_dir/ckpt (recovered first, should a kill have cut a save short),
+    or None for a fresh run; a checkpoint of other settings or data is refused."""
+    S = r.S
+    if r.rank == 0:
         os.makedirs(S.out_dir, exist_ok=True)
-        recover_dir(ckpt)
-    if world > 1:
+        recover_dir(r.ckpt)
+    if r.world > 1:
         dist.barrier()
-    state = None
-    if S.resume and os.path.isdir(ckpt):  # mmap: ranks that never read the optimizer state pay nothing
-        state = torch.load(os.path.join(ckpt, "train_state.pt"), map_location="cpu", weights_only=True,
-                           mmap=True)
-        diff = [f"{k}: {state['settings'].get(k)!r} -> {v!r}" for k, v in asdict(S).items()
-                if k not in RESUME_FREE and state["settings"].get(k) != v]
-        diff += ["the content of train.npz"] if state["data"] != data_id else []
-        if diff:
-            raise SystemExit(f"{ckpt} belongs to a run with different settings ({'; '.join(diff)}); "
-                             "use another out_dir, or --resume=false to start over in this one")
-        say(f"resuming from {ckpt}: {state['stage']} step {state['step']}")
-    # ---- the model
-    if state is not None:
-        model = Qwen2.from_pretrained(ckpt)
-    else:
-        model = initial_model(S, tok, ids)
-    cfg = model.config
+    if not (S.resume and os.path.isdir(r.ckpt)):
+        return None
+    # mmap: ranks that never read the optimizer state pay nothing
+    state = torch.load(os.path.join(r.ckpt, "train_state.pt"), map_location="cpu", weights_only=True,
+                       mmap=True)
+    diff = [f"{k}: {state['settings'].get(k)!r} -> {v!r}" for k, v in asdict(S).items()
+            if k not in RESUME_FREE and state["settings"].get(k) != v]
+    diff += ["the content of train.npz"] if state["data"] != fingerprint(r.data["train"]) else []
+    if diff:
+        raise SystemExit(f"{r.ckpt} belongs to a run with different settings ({'; '.join(diff)}); "
+                         "use another out_dir, or --resume=false to start over in this one")
+    r.say(f"resuming from {r.ckpt}: {state['stage']} step {state['step']}")
+    return state
+
+
+def build_model(r, state):
+    """The model (from the checkpoint, init_from or scratch), on its device, wrapped for the run."""
+    S, ids = r.S, r.ids
+    model = Qwen2.from_pretrained(r.ckpt) if state is not None else initial_model(S, r.tok, ids)
+    cfg, data = model.config, r.data
     top = max(ids["mask"], int(data["train"]["ids"].max()), int(data["val"]["ids"].max(initial=0)))
     if cfg.vocab_size <= top:
         raise SystemExit(f"vocab_size={cfg.vocab_size} must exceed every id used: mask_id={ids['mask']}, "
                          f"largest={top}")
-    eos_ids = [ids["eos"], getattr(tok, "endoftext_id", None)]
+    eos_ids = [ids["eos"], getattr(r.tok, "endoftext_id", None)]
     eos_ids += cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    eos_ids = [e for e in dict.fromkeys(eos_ids) if e is not None]
-    model.to(device)
+    r.eos_ids = [e for e in dict.fromkeys(eos_ids) if e is not None]
+    model.to(r.device)
     model.gradient_checkpointing = S.gradient_checkpointing
-    dtype_name = S.dtype if S.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, dtype_name)
-    say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
-        f"{cfg.vocab_size}; {n_train} train rows; {world} process(es) on {device}, {dtype_name}")
-    if device.type == "cuda" or S.gpu_mem_gb > 0:
-        parts = memory_parts(cfg, replace(S, dtype=dtype_name), world)
-        total = sum(parts.values())
-        verdict = f"{'fits' if total <= S.gpu_mem_gb * 2**30 else 'does NOT fit'} in {S.gpu_mem_gb:g} GiB"
-        say("estimated peak memory per process, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in
-            parts.items()) + f" = {total / 2**30:.2f}" + (f": {verdict}" if S.gpu_mem_gb > 0 else ""))
-    net = StageLoss(model, S, ids["mask"])
-    amp = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-    if world > 1 and S.fsdp:
+    dtype = compute_dtype(S.dtype, r.device)
+    r.say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
+          f"{cfg.vocab_size}; {len(data['train']['offsets']) - 1} train rows; {r.world} process(es) on "
+          f"{r.device}, {str(dtype).removeprefix('torch.')}")
+    if r.device.type == "cuda" or S.gpu_mem_gb > 0:
+        r.say(memory_report(cfg, replace(S, dtype=str(dtype).removeprefix("torch.")), r.world))
+    r.model, r.net, r.amp = model, StageLoss(model, S, ids["mask"]), autocast(r.device, dtype)
+    if r.world > 1 and S.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # FSDP2 casts the gathered weights (instead of autocast) and reduces gradients in fp32
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
-        fully_shard(net, mp_policy=mp)
-        amp = nullcontext()
-    runner = torch.compile(net) if S.compile else net
-    if world > 1 and not S.fsdp:
+        fully_shard(r.net, mp_policy=mp)
+        r.amp = nullcontext()
+    r.runner = torch.compile(r.net) if S.compile else r.net
+    if r.world > 1 and not S.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
-        runner = DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
-    # ---- log.jsonl; on resume, records past the checkpoint belong to steps that will be redone
-    if rank == 0:
-        here = (STAGES.index(state["stage"]), state["step"]) if state is not None else (-1, 0)
-        recs = [r for r in read_log(log_path) if (STAGES.index(r["stage"]), r["step"]) <= here]
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in recs)
-        os.replace(log_path + ".tmp", log_path)
-        log_file = open(log_path, "a")
+        ids_ = [r.device.index] if r.device.type == "cuda" else None
+        r.runner = DistributedDataParallel(r.runner, device_ids=ids_)
 
-    def log(rec):
-        if rank == 0:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
 
-    # ---- the two stages, each with a fresh AdamW and its own schedule
-    first, first_step = (state["stage"], state["step"]) if state is not None else ("ar", 0)
-    t_last, dt_avg = time.time(), None
-    for si, stage in enumerate(STAGES):
-        start, total = (first_step if stage == first else 0), totals[stage]
-        if si < STAGES.index(first) or start >= total:
-            continue  # done before the checkpoint, or a stage of 0 steps
-        opt = make_optimizer(net, S, device)
-        if start > 0:
-            load_optimizer(net, opt, S, state["optimizer"], rank)
-        net.stage = stage
-        say(f"{stage} stage: steps {start + 1}..{total}, {S.batch_size} rows per step ({world} process(es) x "
-            f"{accum} micro-batch(es) of {mb}), lr {S.lr:g}")
-        for step in range(start, total):
-            lr = lr_at(step, total, S)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            rows = step_rows(n_train, S.batch_size, S.seed, stage, step)  # the global batch
-            acc = torch.zeros(4, device=device)  # loss, l_mask, l_ar, tokens of this process
-            for m in range(accum):  # this process's micro-batches: slots rank * accum + m
-                k, last = rank * accum + m, m == accum - 1
-                x, y, n_tok = make_batch(data["train"], rows[k * mb:(k + 1) * mb], S, ids, device)
-                if S.fsdp and world > 1:
-                    net.set_requires_gradient_sync(last)
-                with runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
-                    with amp:
-                        loss, l_mask, l_ar = runner(x, y)  # means over this micro-batch's rows
-                    (loss / accum).backward()  # DDP / FSDP average the gradients over processes
-                acc += torch.stack([loss.detach().float() / accum, l_mask.float() / accum,
-                                    l_ar.float() / accum, torch.tensor(float(n_tok), device=device)])
-            gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or math.inf)
-            gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
-            if world > 1:
-                dist.all_reduce(acc)
-                acc[:3] /= world
-            loss_v, l_mask_v, l_ar_v, tokens = acc.tolist()
-            if not (math.isfinite(loss_v) and math.isfinite(gnorm)):
-                what = f"loss {loss_v}" if not math.isfinite(loss_v) else f"gradient norm {gnorm}"
-                raise SystemExit(f"non-finite {what} at {stage} step {step + 1} (lr {lr:.3g}): stopped "
-                                 f"before applying or saving it; the last good checkpoint is {ckpt}")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            done, now = step + 1, time.time()
-            dt, t_last = now - t_last, now
-            dt_avg = dt if dt_avg is None else 0.9 * dt_avg + 0.1 * dt
-            if done % S.log_interval == 0 or done in (1, total):  # the same steps after a resume
-                fin = lambda v: v if math.isfinite(v) else None  # no L_mask in AR, no L_AR at w = 0
-                log({"kind": "train", "stage": stage, "step": done, "loss": loss_v, "l_mask": fin(l_mask_v),
-                     "l_ar": fin(l_ar_v), "lr": lr, "grad_norm": gnorm, "tok_s": tokens / dt})
-                show = lambda v: f"{v:.4f}" if math.isfinite(v) else "-"
-                left = total - done + sum(totals[s] for s in STAGES[si + 1:])
-                say(f"{stage:4s} step {done:6d}/{total} | loss {loss_v:.4f} (L_mask {show(l_mask_v)}, L_AR "
-                    f"{show(l_ar_v)}) | lr {lr:.2e} | {tokens / dt:8.0f} tok/s | {1000 * dt:5.0f} ms | "
-                    f"ETA {dt_avg * left / 60:.1f} min")
-            if done % S.eval_interval == 0 or done == total:
-                v = val_loss(runner, net, data["val"], S, ids, rank, world, device, amp)
-                if v is not None:
-                    log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
-                    say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
-                if rank == 0:
-                    plot_losses(S, totals)
-            if done % S.ckpt_interval == 0 or done == total:
-                model_full, osd = gather(net, opt, S, cfg, rank)
-                if rank == 0:
-                    if done == total:  # the release first: a checkpoint at the end means "stage done"
-                        replace_dir(os.path.join(S.out_dir, stage), write_release, model_full, S, ids, tok,
-                                    stage, eos_ids)
-                        say(f"saved {os.path.join(S.out_dir, stage)}")
-                    replace_dir(ckpt, write_checkpoint, model_full, osd, S, stage, done, data_id)
-                    log({"kind": "ckpt", "stage": stage, "step": done})
-                if world > 1:
-                    dist.barrier()
-    if rank == 0:
-        log_file.close()
-    if S.eval_at_end and rank == 0 and totals["mars"] > 0:
-        import importlib.util
+def memory_report(cfg, S, world):
+    parts = memory_parts(cfg, S, world)
+    total = sum(parts.values())
+    verdict = f"{'fits' if total <= S.gpu_mem_gb * 2**30 else 'does NOT fit'} in {S.gpu_mem_gb:g} GiB"
+    return ("estimated peak memory per process, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in
+            parts.items()) + f" = {total / 2**30:.2f}" + (f": {verdict}" if S.gpu_mem_gb > 0 else ""))
 
-        if importlib.util.find_spec("evaluate") is None:
-            return say("eval_at_end: no evaluate.py, no evaluation")
-        import evaluate
 
-        result = evaluate.evaluate(os.path.join(S.out_dir, "mars"), S.data_dir, taus=(1.0, 0.9),
-                                   block_size=S.block_size, device=str(device))
-        with open(os.path.join(S.out_dir, "eval.json"), "w") as f:
-            json.dump(result, f, indent=2)
+class Timer:
+    """Wall clock of the run, and a smoothed step time for the ETA."""
+
+    def __init__(self):
+        self.t0 = self.t_last = time.time()
+        self.avg = None
+
+    def step(self):
+        now = time.time()
+        dt, self.t_last = now - self.t_last, now
+        self.avg = dt if self.avg is None else 0.9 * self.avg + 0.1 * dt
+        return dt
+
+    def elapsed(self):
+        return time.time() - self.t0
+
+
+def run_stage(r, stage, start, state, t):
+    """Steps start .. total-1 of one stage, with a fresh AdamW (its state restored on resume)."""
+    S, total = r.S, r.totals[stage]
+    opt = make_optimizer(r.net, S, r.device)
+    if start > 0:
+        load_optimizer(r.net, opt, S, state["optimizer"], r.rank)
+    r.net.stage = stage
+    accum = micro_batches(S, r.world)
+    r.say(f"{stage} stage: steps {start + 1}..{total}, {S.batch_size} rows per step ({r.world} process(es) x "
+          f"{accum} micro-batch(es) of {S.micro_batch_size}), lr {S.lr:g}")
+    for step in range(start, total):
+        lr = lr_at(step, total, S)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, l_mask, l_ar, tokens, gnorm = train_step(r, opt, stage, step)
+        done, dt = step + 1, t.step()
+        if done % S.log_interval == 0 or done in (1, total):  # the same steps after a resume
+            log_step(r, stage, done, lr, (loss, l_mask, l_ar), tokens / dt, gnorm, dt, t)
+        if done % S.eval_interval == 0 or done == total:
+            v = val_loss(r.runner, r.net, r.data["val"], S, r.ids, r.rank, r.world, r.device, r.amp)
+            if v is not None:
+                r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
+                r.say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
+            if r.rank == 0:
+                plot_losses(S, r.totals)
+        if done % S.ckpt_interval == 0 or done == total:
+            save(r, opt, stage, done, total)
+
+
+def train_step(r, opt, stage, step):
+    """One optimizer step over the step's global batch: this process's micro-batches with
+    gradient accumulation, clip, a NaN/inf guard, AdamW. -> loss, l_mask, l_ar, tokens, gnorm."""
+    S, world, net, mb = r.S, r.world, r.net, r.S.micro_batch_size
+    accum = micro_batches(S, world)
+    rows = step_rows(len(r.data["train"]["offsets"]) - 1, S.batch_size, S.seed, stage, step)  # global batch
+    acc = torch.zeros(4, device=r.device)  # loss, l_mask, l_ar, tokens of this process
+    for m in range(accum):  # this process's micro-batches: slots rank * accum + m
+        k, last = r.rank * accum + m, m == accum - 1
+        x, y, n_tok = make_batch(r.data["train"], rows[k * mb:(k + 1) * mb], S, r.ids, r.device)
+        if S.fsdp and world > 1:
+            net.set_requires_gradient_sync(last)
+        with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
+            with r.amp:
+                loss, l_mask, l_ar = r.runner(x, y)  # means over this micro-batch's rows
+            (loss / accum).backward()  # DDP / FSDP average the gradients over processes
+        acc += torch.stack([loss.detach().float() / accum, l_mask.float() / accum,
+                            l_ar.float() / accum, torch.tensor(float(n_tok), device=r.device)])
+    gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or math.inf)
+    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    if world > 1:
+        dist.all_reduce(acc)
+        acc[:3] /= world
+    loss_v, l_mask_v, l_ar_v, tokens = acc.tolist()
+    if not (math.isfinite(loss_v) and math.isfinite(gnorm)):
+        what = f"loss {loss_v}" if not math.isfinite(loss_v) else f"gradient norm {gnorm}"
+        lr = opt.param_groups[0]["lr"]
+        raise SystemExit(f"non-finite {what} at {stage} step {step + 1} (lr {lr:.3g}): stopped before "
+                         f"applying or saving it; the last good checkpoint is {r.ckpt}")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss_v, l_mask_v, l_ar_v, tokens, gnorm
+
+
+def log_step(r, stage, done, lr, losses, tok_s, gnorm, dt, t):
+    """A train record in log.jsonl and a progress line with the ETA of the whole run."""
+    loss, l_mask, l_ar = losses
+    fin = lambda v: v if math.isfinite(v) else None  # no L_mask in AR, no L_AR at w = 0
+    r.log({"kind": "train", "stage": stage, "step": done, "loss": loss, "l_mask": fin(l_mask),
+           "l_ar": fin(l_ar), "lr": lr, "grad_norm": gnorm, "tok_s": tok_s})
+    show = lambda v: f"{v:.4f}" if math.isfinite(v) else "-"
+    total = r.totals[stage]
+    left = total - done + sum(r.totals[s] for s in STAGES[STAGES.index(stage) + 1:])
+    r.say(f"{stage:4s} step {done:6d}/{total} | loss {loss:.4f} (L_mask {show(l_mask)}, L_AR "
+          f"{show(l_ar)}) | lr {lr:.2e} | {tok_s:8.0f} tok/s | {1000 * dt:5.0f} ms | "
+          f"ETA {t.avg * left / 60:.1f} min")
+
+
+def save(r, opt, stage, done, total):
+    """The resume point (and, at the end of a stage, the released model) — atomically."""
+    model_full, osd = gather(r.net, opt, r.S, r.model.config, r.rank)
+    if r.rank == 0:
+        if done == total:  # the release first: a checkpoint at the end means "stage done"
+            out = os.path.join(r.S.out_dir, stage)
+            replace_dir(out, write_release, model_full, r.S, r.ids, r.tok, stage, r.eos_ids)
+            r.say(f"saved {out}")
+        replace_dir(r.ckpt, write_checkpoint, model_full, osd, r.S, stage, done,
+                    fingerprint(r.data["train"]))
+        r.log({"kind": "ckpt", "stage": stage, "step": done})
+    if r.world > 1:
+        dist.barrier()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,12 @@
 """Shared test helpers: tiny random Qwen2 checkpoints built with transformers
 (the independent reference) and saved with save_pretrained. Nothing is downloaded."""
 
-import os
-import sys
+import functools
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core for subprocess tests
 
 
@@ -35,6 +33,27 @@ def tiny_hf(tmp_path):
     """(hf_model, path) for the default tiny config."""
     path = tmp_path / "tiny"
     return make_hf_model(path), str(path)
+
+
+def hf_greedy(hf, prompts, max_new, eos_id=None, pad_id=0):
+    """HF greedy generation (the reference), the prompts left-padded with an attention mask
+    -> generated ids per prompt, cut after the first EOS (HF pads finished rows).
+    Memoised: many tests compare with the same references."""
+    key = tuple(tuple(p) for p in prompts)
+    return [list(r) for r in _hf_greedy(hf, key, max_new, eos_id, pad_id)]
+
+
+@functools.cache
+@torch.no_grad()
+def _hf_greedy(hf, prompts, max_new, eos_id, pad_id):
+    from transformers import GenerationConfig
+
+    L = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts])
+    att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=pad_id)
+    out = hf.generate(input_ids=ids, attention_mask=att, generation_config=gc)[:, L:].tolist()
+    return tuple(tuple(r[: r.index(eos_id) + 1] if eos_id in r else r) for r in out)
 
 
 def write_rows(path, n, seed):

@@ -21,17 +21,15 @@ Claims, each against an independent reference:
   * EOS mid-step and max_new_tokens; bad settings are refused.
 """
 
-import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import first_mid_step_token, make_hf_model
-from transformers import GenerationConfig
+from conftest import first_mid_step_token, hf_greedy, make_hf_model
 
 import exact
+from decoding import pad_rows
 from exact import exact_steps, generate_exact, step_input
-from generate import pad_rows
 from kvcache import KVCache
 from mars import exact_attention_mask
 from model import Qwen2
@@ -65,22 +63,6 @@ def v256(tmp_path_factory):
 def v8(tmp_path_factory):
     """An 8-token vocabulary: a mask guesses the next-but-one token right quite often."""
     return load(tmp_path_factory.mktemp("v8"), vocab_size=8)
-
-
-def hf_greedy(hf, prompt, max_new, eos_id=None):
-    """HF greedy generation of one prompt, cut after the first EOS (memoised: many tests
-    compare with the same references)."""
-    return list(_hf_greedy(hf, tuple(prompt), max_new, eos_id))
-
-
-@functools.cache
-@torch.no_grad()
-def _hf_greedy(hf, prompt, max_new, eos_id):
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=0)
-    ids = torch.tensor([prompt])
-    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-    out = out[0, len(prompt):].tolist()
-    return tuple(out[: out.index(eos_id) + 1] if eos_id in out else out)
 
 
 def run(model, prompts, mask_id, K, B=8, **kw):
@@ -166,7 +148,7 @@ def test_step_equals_separate_causal_forwards_and_group_size_k_is_enough(v256):
 @pytest.mark.parametrize("vocab", ["v256", "v8"])
 def test_equals_hf_greedy(request, vocab, K, B, threshold):
     hf, model, mask_id = request.getfixturevalue(vocab)
-    ref = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+    ref = [hf_greedy(hf, [p], N_NEW)[0] for p in PROMPTS]
     counts = []
     for p, r in zip(PROMPTS, ref):
         ids, steps = run(model, [p], mask_id, K, B, draft_threshold=threshold)
@@ -214,7 +196,7 @@ class Oracle(torch.nn.Module):
 def oracle(pair, shift, K=4):
     """(Oracle over the pair's model, HF's greedy output per prompt)."""
     hf, model, mask_id = pair
-    future = [hf_greedy(hf, p, N_NEW + 2 * K + 2) for p in PROMPTS]  # room for drafts past the end
+    future = [hf_greedy(hf, [p], N_NEW + 2 * K + 2)[0] for p in PROMPTS]  # room for drafts past the end
     seqs = [p + f for p, f in zip(PROMPTS, future)]
     return Oracle(model, seqs, mask_id, shift), [f[:N_NEW] for f in future]
 
@@ -246,7 +228,7 @@ def test_eos_mid_step_stops_the_row_and_drops_the_rest(v256):
     eos, i = first_mid_step_token(steps)
     ids, steps = run(model, PROMPTS, model.mask_id, 4, eos_ids=[eos])
     assert ids[0] == refs[0][: i + 1] and steps[-1].done == [True] * 3
-    assert ids == [hf_greedy(hf, p, N_NEW, eos_id=eos) for p in PROMPTS]  # other rows as alone
+    assert ids == [hf_greedy(hf, [p], N_NEW, eos_id=eos)[0] for p in PROMPTS]  # other rows as alone
 
 
 def test_max_new_tokens_one_is_the_prefill_alone(v256):
@@ -289,7 +271,7 @@ def test_accepted_counts_equal_the_algorithm_written_out(v8, K, threshold):
     hf, model, mask_id = v8
     refs = [reference_exact(hf, p, K, threshold, N_NEW, mask_id) for p in PROMPTS]
     for p, (ref, ref_counts, _) in zip(PROMPTS, refs):
-        assert ref == hf_greedy(hf, p, N_NEW)
+        assert ref == hf_greedy(hf, [p], N_NEW)[0]
         ids, steps = run(model, [p], mask_id, K, draft_threshold=threshold)
         assert ids == [ref] and [s.counts[0] for s in steps] == ref_counts
     ids, steps = run(model, PROMPTS, mask_id, K, draft_threshold=threshold)  # batched: rows accept apart

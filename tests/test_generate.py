@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import first_mid_step_token, make_hf_model
-from transformers import GenerationConfig
+from conftest import first_mid_step_token, hf_greedy, make_hf_model
 
-from generate import Knob, accept, generate, generate_ar, mars_steps
+from decoding import Knob
+from generate import accept, generate, generate_ar, mars_decode
 from model import Qwen2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,18 +72,6 @@ def tiny(tmp_path_factory):
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompts, max_new, eos_id=None):
-    """HF greedy generation, left-padded with an attention mask -> generated ids per prompt,
-    cut after the first EOS (HF pads finished rows)."""
-    L = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (L - len(p)) + p for p in prompts])
-    att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=PAD)
-    out = hf.generate(input_ids=ids, attention_mask=att, generation_config=gc)[:, L:].tolist()
-    return [r[: r.index(eos_id) + 1] if eos_id in r else r for r in out]
-
-
-@torch.no_grad()
 def reference_mars(hf, prompt, B, taus, max_new, eos_ids=(), mask=MASK):
     """§5 written out on the HF model, one prompt. taus[i] is step i's τ (the last one
     repeats). Each step: a plain causal HF forward of prefix + B masks; c_j = argmax at
@@ -111,8 +99,8 @@ def reference_mars(hf, prompt, B, taus, max_new, eos_ids=(), mask=MASK):
 
 
 def run_steps(model, prompts, **kw):
-    """Collect a mars_steps run -> (ids per row, list of Steps)."""
-    steps = list(mars_steps(model, prompts, mask_id=MASK, **kw))
+    """Collect a mars_decode run -> (ids per row, list of Steps)."""
+    steps = list(mars_decode(model, prompts, mask_id=MASK, **kw))
     ids = [[t for s in steps for t in s.tokens[b]] for b in range(len(prompts))]
     return ids, steps
 
@@ -230,7 +218,7 @@ def test_tau_knob_changes_acceptance_from_next_step(peaked, cache):
     hf, model = peaked
     p, B, k = PROMPTS[0], 4, 3
     knob, counts, ids = Knob(0.3), [], []
-    for i, step in enumerate(mars_steps(model, [p], block_size=B, tau=knob, max_new_tokens=N_NEW,
+    for i, step in enumerate(mars_decode(model, [p], block_size=B, tau=knob, max_new_tokens=N_NEW,
                                         mask_id=MASK, cache=cache, block_cache_size=5)):
         counts.append(step.counts[0])
         ids += step.tokens[0]

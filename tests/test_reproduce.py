@@ -13,8 +13,8 @@ import torch
 from conftest import write_rows
 from safetensors.torch import load_file
 
-import reproduce
 import train
+from scripts import reproduce
 from tokenizer import train_bpe
 
 

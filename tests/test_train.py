@@ -35,10 +35,10 @@ import torch
 from conftest import make_hf_model, write_rows
 from safetensors.torch import load_file
 
-import memory
 import train
 from model import Qwen2, Qwen2Config
 from tokenizer import Tokenizer, train_bpe
+from util import memory
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10  # per stage; checkpoints every 5

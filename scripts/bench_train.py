@@ -9,9 +9,9 @@ train.py), the same optimizer and code path (train.StageLoss); a step is forward
 backward + clip + AdamW, timed as the median of --steps steps after --warmup steps.
 tokens/s counts the real tokens of the rows (padding excluded), as train.py logs.
 
-    python bench_train.py                                # the default tiny config, CPU
-    python bench_train.py --n_layer=8 --n_embd=256 --block_size=8 --modes=ar,mars,mars-noar
-    python bench_train.py --config configs/qwen2.5-0.5b-24gb.json --init_from=DIR --data_dir=DIR
+    python -m scripts.bench_train                                # the default tiny config, CPU
+    python -m scripts.bench_train --n_layer=8 --n_embd=256 --block_size=8 --modes=ar,mars,mars-noar
+    python -m scripts.bench_train --config configs/qwen2.5-0.5b-24gb.json --init_from=DIR --data_dir=DIR
 
 Every train.py setting (`--key=value`, `--config FILE`) applies; its data set is used
 (data/default is built if absent). Peak memory is reported on CUDA.
@@ -23,14 +23,14 @@ import os
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 
 import train
-from bench_generate import machine
 from data.prepare import load_npz
+from scripts.common import machine
+from util.precision import autocast, compute_dtype
 
 MODES = {  # name -> (train.py stage, setting overrides)
     "ar": ("ar", {}),
@@ -52,9 +52,7 @@ def bench_mode(model0, S, stage, data, ids, device, steps, warmup):
     net = train.StageLoss(model, S, ids["mask"])
     net.stage = stage
     opt = train.make_optimizer(net, S, device)
-    dtype_name = S.dtype if S.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
-    amp = torch.autocast(device.type, dtype=getattr(torch, dtype_name)) if dtype_name != "float32" \
-        else nullcontext()
+    amp = autocast(device, compute_dtype(S.dtype, device))
     runner = torch.compile(net) if S.compile else net
     accum, mb = S.batch_size // S.micro_batch_size, S.micro_batch_size
     n_train = len(data["offsets"]) - 1

@@ -14,80 +14,20 @@ block cache at batch 4-16 on a 7B model and a GPU (§7). A random model is rarel
 so without --ckpt (a random, deliberately peaked tiny model is built) the numbers only
 measure the machinery's overhead; --data-dir takes the prompts from the synthetic test set.
 
-  python bench_generate.py                       # random model, CPU
-  python bench_generate.py --ckpt out/default/mars --data-dir data/default --taus 1,0.95,0.9,0.7 \\
+  python -m scripts.bench_generate                       # random model, CPU
+  python -m scripts.bench_generate --ckpt out/default/mars --data-dir data/default --taus 1,0.95,0.9,0.7 \\
       --block-cache-sizes 4,8,16,32,64 --batch-sizes 4,8,16
-  python bench_generate.py --ckpt out/mars --device cuda --dtype bfloat16
+  python -m scripts.bench_generate --ckpt out/mars --device cuda --dtype bfloat16
 """
 
 import argparse
-import os
-import platform
-import statistics
-import tempfile
-import time
 from functools import partial
 
 import torch
 
-from generate import Generation, checkpoint_eos_ids, generate, generate_ar, load_tokenizer
-from model import Qwen2, Qwen2Config, init_weights
-
-QUESTIONS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Explain in two sentences why the sky is blue.",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-    "How much did she earn?",
-]
-
-
-def random_checkpoint(path, seed=0):
-    """A small random Qwen2 saved in HF layout. A large init std makes the output peaked,
-    so that some mask predictions pass τ and the multi-token path is exercised."""
-    cfg = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                      rope_theta=10000.0, tie_word_embeddings=True)
-    init_weights(Qwen2(cfg), std=0.5, seed=seed).save_pretrained(path)
-    return path
-
-
-def make_prompts(tok, vocab_size, mask_id, n, seed=0, data_dir=None):
-    """n prompts: the first n test problems of data_dir (data/synthetic.py), else chat-templated
-    questions with a tokenizer, else random ids (32-48 tokens)."""
-    if tok is not None and data_dir:
-        from data.synthetic import read_jsonl
-
-        probs = read_jsonl(os.path.join(data_dir, "test.jsonl"))
-        return [tok.encode_chat(probs[i % len(probs)]["messages"][:-1], add_generation_prompt=True)
-                for i in range(n)]
-    if tok is not None:
-        return [tok.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                add_generation_prompt=True) for i in range(n)]
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(32, 49, (n,), generator=g).tolist()
-    return [[t for t in torch.randint(0, vocab_size, (L,), generator=g).tolist() if t != mask_id] or [1]
-            for L in lengths]
-
-
-def timed(fn, repeats, device):
-    """fn() -> list of Generation. Warm up once, then the median over `repeats` runs
-    -> (seconds, generated tokens, forwards summed over rows, the generated ids per row)."""
-    def once():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
-
-    once()
-    runs = [once() for _ in range(repeats)]
-    dt = statistics.median(t for t, _ in runs)
-    out = runs[0][1]
-    return dt, sum(len(g.ids) for g in out), sum(g.forwards for g in out), [g.ids for g in out]
+from decoding import Generation
+from generate import generate, generate_ar
+from scripts.common import add_model_args, floats, ints, load_for_bench, machine, make_prompts, timed
 
 
 def hf_runner(ckpt, dtype, device, prompts, max_new, eos_ids, lookup=0):
@@ -96,11 +36,11 @@ def hf_runner(ckpt, dtype, device, prompts, max_new, eos_ids, lookup=0):
     tokens per step (batch 1 only). A row's forwards: the batch's forward calls (counted by a
     hook) at batch 1; at batch > 1 its generated tokens (greedy emits one per forward while the
     row is still generating, the count our decoders report)."""
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    hf = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
     calls = [0]
     hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
@@ -133,43 +73,6 @@ def row(name, dt, n, forwards, ids=None, base=None, same_as=None):
     return n / dt
 
 
-def machine(device):
-    """One line naming the hardware and software the numbers were measured on."""
-    hw = torch.cuda.get_device_name(device) if device.startswith("cuda") else (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
-    return (f"machine: {device} ({hw}), torch {torch.__version__} with {torch.get_num_threads()} "
-            f"thread(s), Python {platform.python_version()}, {platform.platform()}")
-
-
-def floats(text):
-    return [float(x) for x in text.split(",")]
-
-
-def ints(text):
-    return [int(x) for x in text.split(",")]
-
-
-def add_model_args(p):
-    """The options every benchmark shares: mask id, device, dtype, threads."""
-    p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
-
-
-def load_for_bench(args, prefix):
-    """Apply --threads and load --ckpt (or a fresh random tiny model) ->
-    (ckpt, model, tokenizer or None, mask id, EOS ids)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix=prefix))
-    model = Qwen2.from_pretrained(ckpt, getattr(torch, args.dtype), args.device).eval()
-    tok = load_tokenizer(ckpt)
-    mask_id = args.mask_id if args.mask_id is not None else (
-        tok.mask_id if tok is not None else model.config.vocab_size - 1)
-    return ckpt, model, tok, mask_id, checkpoint_eos_ids(ckpt, tok)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="HF-layout checkpoint (default: build a random tiny model)")
@@ -186,12 +89,10 @@ def main():
     p.add_argument("--no-window", action="store_true", help="skip the batched window-cache rows")
     add_model_args(p)
     args = p.parse_args()
-    ckpt, model, tok, mask_id, eos_ids = load_for_bench(args, "bench_mars_")
+    ck = load_for_bench(args, "bench_mars_")
+    ckpt, model, tok, mask_id, eos_ids = ck.path, ck.model, ck.tok, ck.mask_id, ck.eos_ids
     dtype, dev = getattr(torch, args.dtype), args.device
-    if args.block_size is None:
-        from evaluate import mars_settings
-
-        args.block_size = mars_settings(ckpt).get("block_size", 4)
+    args.block_size = args.block_size or ck.block_size or 4
     n_new, B, reps = args.max_new_tokens, args.block_size, args.repeats
     prompts_of = lambda n: make_prompts(tok, model.config.vocab_size, mask_id, n, data_dir=args.data_dir)
     mars = lambda ps, tau, cache, bc=None: lambda: generate(

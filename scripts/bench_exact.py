@@ -12,17 +12,17 @@ A random model drafts badly (nearly every draft is rejected: about 1 token per f
 and each forward is larger than AR's), so without --ckpt the numbers only measure the
 overhead; a trained MARS checkpoint is what can accept drafts.
 
-  python bench_exact.py                               # random tiny model, CPU
-  python bench_exact.py --ckpt out/default/mars --device cuda --dtype bfloat16
+  python -m scripts.bench_exact                               # random tiny model, CPU
+  python -m scripts.bench_exact --ckpt out/default/mars --device cuda --dtype bfloat16
 """
 
 import argparse
 import sys
 from functools import partial
 
-from bench_generate import add_model_args, ints, load_for_bench, machine, make_prompts, timed
 from exact import generate_exact
 from generate import generate, generate_ar
+from scripts.common import add_model_args, ints, load_for_bench, machine, make_prompts, timed
 
 
 def row(name, result, base=None, same=None):
@@ -46,7 +46,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     add_model_args(p)
     args = p.parse_args()
-    ckpt, model, tok, mask_id, eos_ids = load_for_bench(args, "bench_exact_")
+    ck = load_for_bench(args, "bench_exact_")
+    ckpt, model, tok, mask_id, eos_ids = ck.path, ck.model, ck.tok, ck.mask_id, ck.eos_ids
     n_new, reps, dev = args.max_new_tokens, args.repeats, args.device
     print(machine(dev))
     print(f"checkpoint {args.ckpt or ckpt + ' (random)'}: {model.num_params() / 1e6:.1f}M params, "

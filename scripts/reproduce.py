@@ -20,10 +20,10 @@ its output in <its out_dir>/output.txt. Checkpoints go
 to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
-    python reproduce.py --quick    # A, M / 4 (750 + 1000 steps), 100 test problems: under 30 min on 2 cores
-    python reproduce.py            # the full run (A = 3000, M = 4000 as configs/default.json): 80-90 min
-                                   # on 2 cores (two 1-thread jobs; one 2-thread job took about 2 h)
-    python reproduce.py --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
+    python -m scripts.reproduce --quick   # A, M / 4 (750 + 1000 steps), 100 test problems: < 30 min, 2 cores
+    python -m scripts.reproduce           # the full run (A = 3000, M = 4000 as configs/default.json):
+                                          # 80-90 min on 2 cores (two 1-thread jobs)
+    python -m scripts.reproduce --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
 """
 
 import argparse
@@ -39,12 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import train
 from data.synthetic import FAMILIES, read_jsonl
+from util.atomic import write_json, write_text
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # the paper's sweep (§5)
 TRAIN_SOURCES = ("train.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py", "data/synthetic.py",
-                 "data/prepare.py")
-EVAL_SOURCES = ("evaluate.py", "generate.py", "kvcache.py")
+                 "data/prepare.py", "util/atomic.py", "util/precision.py", "util/runlog.py", "util/memory.py")
+EVAL_SOURCES = ("evaluate.py", "generate.py", "decoding.py", "exact.py", "chat.py", "kvcache.py")
 FAMILY_COLS = FAMILIES  # data/synthetic.py
 # MARS_SPEC §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
 PAPER_ONE_TOKEN = {"ar_sft": "28.7 / 56.6", "mars_b4": "30.4 / 58.1"}
@@ -133,10 +134,7 @@ def first_line(path):
         return None
 
 
-def save_json(obj, path):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+save_json = lambda obj, path: write_json(path, obj)
 
 
 # ----------------------------------------------------------------------------- RESULTS.md
@@ -162,7 +160,7 @@ def write_results(R, results, meta, cmds):
     label = lambda n: results[n]["label"] if n in results else n
     steps = lambda n: results[n]["steps"] if n in results else "–"
     L = [f"# MARS in miniature: results ({meta['mode']})", "",
-         f"Written by `python reproduce.py{meta['argv']}` on {meta['date']}, {meta['machine']}; "
+         f"Written by `python -m scripts.reproduce{meta['argv']}` on {meta['date']}, {meta['machine']}; "
          f"training and evaluation took {meta['variant_minutes']:.0f} min of process time over all "
          f"variants (table at the end), this call {meta['minutes']:.0f} min. Model and data: "
          f"`{meta['config']}` (a tiny Qwen2 trained from scratch on the synthetic tasks of "
@@ -209,25 +207,24 @@ def write_results(R, results, meta, cmds):
         L += table(["variant", *(f"phase {r}" for r in ph(have[0]))],  # {phase: [steps, wrong]}
                    [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in ph(n).values())]
                     for n in have])
-    benches = [("Training cost (bench_train.py)", "bench_train.txt",
+    benches = [("Training cost (scripts/bench_train.py)", "bench_train.txt",
                 "Paper: about 2x the AR SFT time and about 1.5x its peak memory."),
-               ("Decoding speed (bench_generate.py)", "bench_generate.txt",
+               ("Decoding speed (scripts/bench_generate.py)", "bench_generate.txt",
                 "Paper (7B, GSM8K, τ = 0.95, vs AR with KV cache): no cache 0.90x/0.49x/0.23x at batch "
                 "4/8/16; block cache best 1.71x (B_cache 32, batch 4), 1.60x (batch 8), 1.34x (B_cache 16, "
                 "batch 16). On a CPU and a 1M-parameter model a forward is cheap and overheads dominate."),
-               ("Exact mode (bench_exact.py)", "bench_exact.txt",
+               ("Exact mode (scripts/bench_exact.py)", "bench_exact.txt",
                 "Exact mode's output equals AR greedy decoding token for token (exact.py).")]
     for title, name, note in benches:
         if os.path.isfile(os.path.join(R, name)):
             with open(os.path.join(R, name)) as f:
                 L += ["", f"## {title}", "", note, "", "```", f.read().rstrip(), "```"]
     L += ["", "## The attention masks", "", "![MARS attention masks](mask.png)", "", "## Commands", "",
-          f"Everything above: `python reproduce.py{meta['argv']}`. It ran:", "", "```"]
+          f"Everything above: `python -m scripts.reproduce{meta['argv']}`. It ran:", "", "```"]
     L += cmds + ["```", "", "## Time per variant (seconds, this machine)", ""]
     L += table(["variant", "train", "evaluate"], [[label(n), fmt(results[n].get("train_s"), ".0f"),
                                                     fmt(results[n].get("eval_s"), ".0f")] for n in results])
-    with open(os.path.join(R, "RESULTS.md"), "w") as f:
-        f.write("\n".join(L) + "\n")
+    write_text(os.path.join(R, "RESULTS.md"), "\n".join(L) + "\n")
 
 
 def plot_sweep(R, results):
@@ -298,17 +295,17 @@ def progress(vs, running, stop, since, every=60):
 
 
 def bench_commands(P, ckpt, quick):
-    """The benchmark commands: training cost, decoding speed, exact mode (if bench_exact.py exists)."""
-    py, q = sys.executable, quick
+    """The benchmark commands: training cost, decoding speed, exact mode."""
+    py, q, d = sys.executable, quick, f"--data_dir={P['data_dir']}"
     return {
-        "bench_train": [py, "bench_train.py", f"--config={P['config']}", f"--data_dir={P['data_dir']}",
+        "bench_train": [py, "-m", "scripts.bench_train", f"--config={P['config']}", d,
                         f"--steps={5 if q else 10}", "--modes=ar,mars,mars-noar,bidir"],
-        "bench_generate": [py, "bench_generate.py", f"--ckpt={ckpt}", f"--data-dir={P['data_dir']}",
+        "bench_generate": [py, "-m", "scripts.bench_generate", f"--ckpt={ckpt}", d.replace("_", "-", 1),
                            f"--taus={'0.95' if q else '0.95,0.9'}",
                            f"--block-cache-sizes={'4,16,64' if q else '4,8,16,32,64'}",
                            f"--batch-sizes={'4,16' if q else '4,8,16'}", "--max-new-tokens=96",
                            f"--repeats={2 if q else 5}"],
-        "bench_exact": [py, "bench_exact.py", f"--ckpt={ckpt}", f"--data-dir={P['data_dir']}",
+        "bench_exact": [py, "-m", "scripts.bench_exact", f"--ckpt={ckpt}", d.replace("_", "-", 1),
                         "--block-sizes=4", "--drafts=2,3",
                         "--batch-sizes=1,4", "--tau=0.95", "--max-new-tokens=96",
                         f"--repeats={2 if q else 3}"],
@@ -432,7 +429,7 @@ def main(argv=None):
     results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
     for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
         log = f"{a.results}/{name}.txt"
-        if a.skip_bench or "mars_b4" not in results or not os.path.isfile(os.path.join(HERE, cmd[1])):
+        if a.skip_bench or "mars_b4" not in results:
             continue
         cmds.append(typed(cmd) + f" > {log}")
         if first_line(log) == shown(cmd):  # this very benchmark ran before
@@ -441,9 +438,7 @@ def main(argv=None):
         print(f"\n[bench] {name}; {since()}", flush=True)
         if not run(cmd, env, log=log):
             print(f"{name} failed (its output is in {a.results}/{name}.txt); going on", flush=True)
-    import plot_mask
-
-    plot_mask.plot_masks(f"{a.results}/mask.png")
+    run([sys.executable, "-m", "scripts.plot_mask", f"--out={a.results}/mask.png"], env)
     plot_sweep(a.results, results)
     meta = {"mode": "quick" if a.quick else "full" if scale == 1 and limit is None else "custom",
             "argv": "".join(" " + x for x in argv), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -3,14 +3,14 @@
 Panels, each drawn from the very tensor the code uses (True = query row may attend key column):
   1. mars.mars_attention_mask(l, B): the training mask over [clean | noisy];
   2. the same with bidirectional=True: the "Block Diffusion style" ablation (§4);
-  3. mars.exact_attention_mask(K, K), when mars.py has it: one step of exact mode (exact.py).
+  3. mars.exact_attention_mask(K, K): one step of exact mode (exact.py).
 The example row has a prompt of --prompt tokens: they stay real in the noisy stream (§3),
 every later position there is <|mask|> ("M"). Colours: clean -> clean (ordinary causal),
 noisy -> clean (earlier blocks' clean tokens), noisy -> noisy (own block). Dashed lines are
 block boundaries, the solid line splits the two streams.
 
-    python plot_mask.py                     # l = 8, B = 4 -> results/mask.png
-    python plot_mask.py --l 12 --block-size 4 --prompt 5 --out mask.png
+    python -m scripts.plot_mask                     # l = 8, B = 4 -> results/mask.png
+    python -m scripts.plot_mask --l 12 --block-size 4 --prompt 5 --out mask.png
 """
 
 import argparse
@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mars  # noqa: E402
+from util.atomic import atomic_write  # noqa: E402
 
 WHITE = (1.0, 1.0, 1.0)
 COLOURS = {"clean->clean": (0.27, 0.51, 0.71), "noisy->clean": (0.96, 0.6, 0.2),
@@ -81,19 +82,16 @@ def exact_panel(ax, K):
 
 def plot_masks(path, l=8, block_size=4, prompt=3):
     """Write the figure to `path`; returns the panel titles drawn."""
-    has_exact = hasattr(mars, "exact_attention_mask")
-    n = 3 if has_exact else 2
-    fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 6.6), layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(5.6 * 3, 6.6), layout="constrained")
     training_panel(axes[0], l, block_size, prompt, False)
     training_panel(axes[1], l, block_size, prompt, True)
-    if has_exact:
-        exact_panel(axes[2], min(3, block_size))
+    exact_panel(axes[2], min(3, block_size))
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
     fig.legend(handles, ["clean -> clean / real -> real (causal)", "noisy -> clean / mask -> real",
                          "noisy -> noisy / mask -> mask (own block or group)"],
                loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"), "wb")
     plt.close(fig)
     return [ax.get_title() for ax in axes]
 

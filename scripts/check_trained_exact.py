@@ -1,8 +1,8 @@
-"""Manual check (not collected by pytest, not counted as CI coverage): exact mode on the
-TRAINED default checkpoint equals HF `generate(do_sample=False)` on held-out prompts while
-using fewer forwards than tokens. Needs `python train.py` first (about 15 min on 2 cores).
+"""Manual check (not a test, not counted as CI coverage): exact mode on the TRAINED default
+checkpoint equals HF `generate(do_sample=False)` on held-out prompts while using fewer
+forwards than tokens. Needs `python train.py` first.
 
-    python tests/check_trained_exact.py [out/default/mars] [data/default]
+    python -m scripts.check_trained_exact [out/default/mars] [data/default]
 """
 
 import os
@@ -11,25 +11,23 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.synthetic import read_jsonl  # noqa: E402
-from exact import generate_exact  # noqa: E402
-from model import Qwen2  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from checkpoint import load_checkpoint
+from data.synthetic import read_jsonl
+from exact import generate_exact
 
 ckpt = sys.argv[1] if len(sys.argv) > 1 else "out/default/mars"
 data = sys.argv[2] if len(sys.argv) > 2 else "data/default"
-tok = Tokenizer.from_dir(ckpt)
-model = Qwen2.from_pretrained(ckpt).eval()
+ck = load_checkpoint(ckpt)
+tok, model, B = ck.tok, ck.model, ck.block_size or 4
 hf = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
 problems = read_jsonl(os.path.join(data, "test.jsonl"))[:40]
 prompts = [tok.encode_chat(p["messages"][:-1], add_generation_prompt=True) for p in problems]
-eos = (tok.eos_id, tok.endoftext_id)
+eos = ck.eos_ids
 greedy = GenerationConfig(do_sample=False, max_new_tokens=64, eos_token_id=list(eos), pad_token_id=tok.pad_id)
 refs = [hf.generate(torch.tensor([p]), generation_config=greedy)[0, len(p):].tolist() for p in prompts]
 ok = True
 for K in (2, 4):
-    out = generate_exact(model, prompts, block_size=4, drafts=K, max_new_tokens=64, mask_id=tok.mask_id,
+    out = generate_exact(model, prompts, block_size=B, drafts=K, max_new_tokens=64, mask_id=ck.mask_id,
                          eos_ids=eos)
     same = sum(r == g.ids for r, g in zip(refs, out))
     tokens, forwards = sum(len(g.ids) for g in out), sum(g.forwards for g in out)

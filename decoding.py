@@ -1,0 +1,142 @@
+"""Decoding plumbing shared by every decoder: what a step yields, the live τ, request
+checks, the one EOS/budget cut, greedy candidates, and collecting results (MARS_SPEC §5).
+
+generate.py (the τ-gated loop, §5-§6), exact.py (exact mode) and chat.py all build on
+this file, and it imports none of them. It knows no text and no checkpoint: prompts
+are lists of ids, EOS is a set of ids, and a decoder is a generator of `Step`s that a
+caller runs to the end (`collect`) or streams (the chat).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Knob:
+    """The live τ: a decoder reads `knob.tau` before every step, so a caller (or the chat's
+    `/tau`) can change it between steps: `knob.tau = 1.0` -> AR from the next step (§5)."""
+    tau: float
+
+
+@dataclass
+class Step:
+    """What one decoding step produced, for all N rows of the batch."""
+    tokens: list[list[int]]  # tokens kept this step per row; [] for a finished or idle row
+    done: list[bool]  # row finished (EOS kept or max_new_tokens reached), after this step
+    forwards: int  # model forwards so far, all rows together (prefill and block extensions too)
+    tau: float  # the τ this step used (1.0 for AR and exact mode)
+
+    @property
+    def counts(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+@dataclass
+class Generation:
+    ids: list[int]  # generated tokens, prompt excluded, EOS included if one was kept
+    forwards: int  # model forwards run while this prompt was still generating
+
+
+# ---------------------------------------------------------------- request checks
+def check_tau(tau):
+    if not tau > 0:  # also rejects NaN
+        raise ValueError(f"tau must be > 0, got {tau}")
+
+
+def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None):
+    """Raise ValueError with a clear message for anything a user can get wrong."""
+    cfg = model.config
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    check_tau(tau.tau if isinstance(tau, Knob) else tau)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
+        raise ValueError(f"mask id {mask_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    if not prompts:
+        raise ValueError("no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the model's context "
+                             f"(max_position_embeddings={cfg.max_position_embeddings})")
+        if min(p) < 0 or max(p) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
+
+
+# ---------------------------------------------------------------- tensors in, tensors out
+def pad_rows(rows, pad_id, device):
+    """Right-pad lists of ids into a (N, T) tensor."""
+    T = max(len(r) for r in rows)
+    return torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def logits_at(model, h, start, n):
+    """Logits of outputs start[i] .. start[i]+n-1 of each row: h (N, T, C) -> (N, n, V).
+    The LM head runs only on the positions we read (V is 150k for Qwen2.5)."""
+    idx = start[:, None] + torch.arange(n, device=h.device)  # (N, n)
+    h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (N, n, C)
+    return model.lm_head(h)
+
+
+def candidates(logits):
+    """Greedy candidates and their confidences (§5.2-3): logits (N, n, V) ->
+    c (N, n) = argmax, p (N, n) = softmax probability of c, computed in float32."""
+    logits = logits.float()
+    c = logits.argmax(-1)  # (N, n)
+    p = logits.softmax(-1).gather(-1, c[..., None])[..., 0]  # (N, n)
+    return c, p
+
+
+def leading_run(ok):
+    """ok (N, n) bool -> (N,) the length of each row's leading run of True."""
+    return ok.long().cumprod(1).sum(1)
+
+
+# ---------------------------------------------------------------- per-row results
+class Rows:
+    """Per-row output of a decoding run: generated tokens and finished flags.
+
+    `keep` is the one place where the EOS rule (§5.6) and the token budget cut a row's
+    new tokens; every decoder hands it what it accepted this step."""
+
+    def __init__(self, n_rows, max_new, eos_ids):
+        self.out = [[] for _ in range(n_rows)]
+        self.done = [False] * n_rows
+        self.max_new, self.eos_ids = max_new, frozenset(eos_ids)
+
+    def active(self):
+        return [i for i, d in enumerate(self.done) if not d]
+
+    def left(self, i):
+        """Tokens row i may still generate."""
+        return self.max_new - len(self.out[i])
+
+    def keep(self, tokens):
+        """tokens: per row the tokens accepted this step (ignored for finished rows).
+        Each row keeps them up to its budget and just after its first EOS (what followed
+        the EOS is dropped, §5.6) -> the tokens kept per row."""
+        kept = []
+        for i, toks in enumerate(tokens):
+            new = [] if self.done[i] else list(toks[: self.left(i)])
+            eos = next((k for k, t in enumerate(new) if t in self.eos_ids), None)
+            new = new if eos is None else new[: eos + 1]
+            self.out[i] += new
+            self.done[i] = self.done[i] or eos is not None or self.left(i) <= 0
+            kept.append(new)
+        return kept
+
+
+def collect(steps, n_rows):
+    """Run a step generator to the end -> one `Generation` per row."""
+    out = [Generation([], 0) for _ in range(n_rows)]
+    done = [False] * n_rows
+    for step in steps:
+        for i in range(n_rows):
+            if not done[i]:
+                out[i].ids += step.tokens[i]
+                out[i].forwards = step.forwards
+        done = step.done
+    return out
