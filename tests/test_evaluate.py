@@ -28,6 +28,8 @@ def hf_rule_by_phase(hf, rows, B, tau):
                 logits = hf(torch.tensor([full[:n] + [MASK] * B])).logits[0].float()
             c = [int(logits[n - 1 + j].argmax()) for j in range(B)]
             p = [float(logits[n - 1 + j].softmax(-1)[c[j]]) for j in range(B)]
+            # a near-tie (|p - τ| tiny) could flip between fp32 paths: assert a margin
+            assert all(abs(pj - tau) >= 1e-4 for pj in p[1:]), f"near-tie at prefix {n}: {p} vs {tau}"
             if c[0] != ref[0]:
                 continue
             kept = 1
