@@ -312,7 +312,7 @@ def bench_commands(P, ckpt, quick):
     }
 
 
-def main(argv=None):
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n")[-1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="steps x 0.25, 100 test problems, small benchmarks")
@@ -331,10 +331,12 @@ def main(argv=None):
     p.add_argument("--only", help="comma-separated variants to run (the AR stage is always run)")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    a = p.parse_args(argv)
-    os.chdir(HERE)  # every path is relative to the repository
-    t_start, py, argv = time.time(), sys.executable, sys.argv[1:] if argv is None else argv
-    since = lambda: f"{(time.time() - t_start) / 60:.1f} min so far"
+    return p.parse_args(argv)
+
+
+def plan(a):
+    """The run's parameters P (paths, steps, τs, jobs, eval key, environment) and its variants,
+    each with its train and eval commands."""
     scale = a.steps_scale if a.steps_scale is not None else 0.25 if a.quick else 1.0
     limit = a.limit if a.limit is not None else 100 if a.quick else None
     taus = [float(t) for t in a.taus.split(",")]
@@ -349,15 +351,17 @@ def main(argv=None):
     jobs = a.jobs if a.jobs is not None else max(1, min(4, (os.cpu_count() or 1) // max(1, a.threads)))
     if jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {jobs}")
-    P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir, "jobs": jobs}
-    eval_key = digest(EVAL_SOURCES, json.dumps([limit, taus]))
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
+    P = {"R": a.results, "limit": limit, "config": a.config, "data_dir": data_dir, "jobs": jobs, "A": A,
+         "M": M, "root": root, "taus": taus, "scale": scale, "S": S,
+         "eval_key": digest(EVAL_SOURCES, json.dumps([limit, taus])),
+         "env": {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}}
     vs = variants(A, M, root)
     if a.only:
         keep = {"ar_stage", *a.only.split(",")}
         if unknown := keep - {v["name"] for v in vs}:
             raise SystemExit(f"--only: unknown variant(s) {sorted(unknown)}")
         vs = [v for v in vs if v["name"] in keep]
+    py = sys.executable
     for v in vs:
         v["out_dir"] = f"{root}/{v['name']}"
         v["train_cmd"] = [py, "train.py", f"--config={a.config}", *(arg(k, x) for k, x in v["train"].items()),
@@ -366,24 +370,18 @@ def main(argv=None):
         v["eval_cmd"] = [py, "evaluate.py", f"--ckpt={v['ckpt']}", f"--data-dir={data_dir}",
                          f"--taus={','.join(map(str, vt))}", *([f"--limit={limit}"] if limit else []),
                          *([f"--by-phase={PHASE[1]}"] if v["name"] in PHASE[0] and PHASE[1] in vt else [])]
-    print(f"reproduce: {len(vs)} variants, A={A} AR + M={M} MARS steps, eval on {limit or 'all'} test "
-          f"problems at τ in {taus}; {jobs} job(s) of {a.threads} thread(s); checkpoints in {root}, "
-          f"results in {a.results}", flush=True)
-    if not a.dry_run:
-        os.makedirs(a.results, exist_ok=True)
-    cmds = []
-    if data_dir != S.data_dir:  # the default data set, built from the sources hashed into root
-        dcmd = [py, "data/synthetic.py", f"--out={data_dir}", f"--seed={S.seed}"]
-        cmds.append(typed(dcmd))
-        if not os.path.isfile(f"{data_dir}/val.npz") and not a.dry_run and not run(dcmd, env):
-            raise SystemExit("building the data set failed")
+    return P, vs
+
+
+def pending(a, P, vs, cmds):
+    """-> (results of the variants done before, the variants still to run); adds their commands."""
     results, todo = {}, []
     for i, v in enumerate(vs):
         n = v["name"]
         cmds += [typed(v["train_cmd"]), typed(v["eval_cmd"]) + f" --json={a.results}/{n}.json"]
         old = load_json(f"{a.results}/{n}.json")
         done = (os.path.isfile(f"{v['ckpt']}/model.safetensors") and old is not None
-                and old.get("ckpt") == v["ckpt"] and old.get("eval_key") == eval_key)
+                and old.get("ckpt") == v["ckpt"] and old.get("eval_key") == P["eval_key"])
         skip = " (done, skipped)" if done else ""
         print(f"[{i + 1}/{len(vs)}] {n}: {v['label']}, {v['steps']} steps{skip}", flush=True)
         if a.dry_run:
@@ -392,16 +390,20 @@ def main(argv=None):
             results[n] = old
         else:
             todo.append(v)
-    if a.dry_run:
-        return
+    return results, todo
 
-    running = set()  # names of the variants being trained or evaluated now
+
+def train_all(a, P, todo, since):
+    """Train and evaluate the variants still to run -> {name: result}. The AR stage first
+    (every MARS variant starts from it); the others then run `jobs` at a time. AR SFT does
+    not need the AR stage, so it may run beside it."""
+    running, jobs = set(), P["jobs"]  # names of the variants being trained or evaluated now
 
     def one(v):
         print(f"\n[start] {v['name']}; {since()}", flush=True)
         running.add(v["name"])
         try:
-            r = run_variant(v, P, eval_key, env, load_json(f"{a.results}/{v['name']}.json"))
+            r = run_variant(v, P, P["eval_key"], P["env"], load_json(f"{a.results}/{v['name']}.json"))
         finally:
             running.discard(v["name"])
         save_json(r, f"{a.results}/{v['name']}.json")
@@ -409,8 +411,6 @@ def main(argv=None):
         print(f"\n[done] {v['name']}: accuracy at τ=1 {acc}%; {since()}", flush=True)
         return r
 
-    # The AR stage first (every MARS variant starts from it); the other variants then run
-    # `jobs` at a time. AR SFT does not need the AR stage, so it may run beside it.
     first = [v for v in todo if v["name"] in ("ar_stage", "ar_sft")][:jobs]
     stop = threading.Event()
     if jobs > 1:  # their output goes to files: show each running training's latest progress line
@@ -423,10 +423,13 @@ def main(argv=None):
             for v in todo:
                 if v["name"] not in futures:
                     futures[v["name"]] = pool.submit(one, v)
-            got = {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
+            return {n: f.result() for n, f in futures.items()}  # raises a variant's SystemExit here
     finally:
         stop.set()
-    results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
+
+
+def benchmarks(a, P, results, cmds, since):
+    """Run the benchmarks on mars_b4 (each skipped if its log shows it ran before)."""
     for name, cmd in bench_commands(P, results.get("mars_b4", {}).get("ckpt"), a.quick).items():
         log = f"{a.results}/{name}.txt"
         if a.skip_bench or "mars_b4" not in results:
@@ -436,17 +439,44 @@ def main(argv=None):
             print(f"\n[bench] {name}: done, skipped ({log})", flush=True)
             continue
         print(f"\n[bench] {name}; {since()}", flush=True)
-        if not run(cmd, env, log=log):
+        if not run(cmd, P["env"], log=log):
             print(f"{name} failed (its output is in {a.results}/{name}.txt); going on", flush=True)
-    run([sys.executable, "-m", "scripts.plot_mask", f"--out={a.results}/mask.png"], env)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    os.chdir(HERE)  # every path is relative to the repository
+    t_start = time.time()
+    since = lambda: f"{(time.time() - t_start) / 60:.1f} min so far"
+    P, vs = plan(a)
+    print(f"reproduce: {len(vs)} variants, A={P['A']} AR + M={P['M']} MARS steps, eval on "
+          f"{P['limit'] or 'all'} test problems at τ in {P['taus']}; {P['jobs']} job(s) of {a.threads} "
+          f"thread(s); checkpoints in {P['root']}, results in {a.results}", flush=True)
+    if not a.dry_run:
+        os.makedirs(a.results, exist_ok=True)
+    cmds, data_dir = [], P["data_dir"]
+    if data_dir != P["S"].data_dir:  # the default data set, built from the sources hashed into root
+        dcmd = [sys.executable, "data/synthetic.py", f"--out={data_dir}", f"--seed={P['S'].seed}"]
+        cmds.append(typed(dcmd))
+        if not os.path.isfile(f"{data_dir}/val.npz") and not a.dry_run and not run(dcmd, P["env"]):
+            raise SystemExit("building the data set failed")
+    results, todo = pending(a, P, vs, cmds)
+    if a.dry_run:
+        return
+    got = train_all(a, P, todo, since)
+    results = {v["name"]: results.get(v["name"]) or got[v["name"]] for v in vs}
+    benchmarks(a, P, results, cmds, since)
+    run([sys.executable, "-m", "scripts.plot_mask", f"--out={a.results}/mask.png"], P["env"])
     plot_sweep(a.results, results)
-    meta = {"mode": "quick" if a.quick else "full" if scale == 1 and limit is None else "custom",
+    limit = P["limit"]
+    meta = {"mode": "quick" if a.quick else "full" if P["scale"] == 1 and limit is None else "custom",
             "argv": "".join(" " + x for x in argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "config": a.config, "A": A, "M": M, "root": root, "taus": taus,
+            "config": a.config, "A": P["A"], "M": P["M"], "root": P["root"], "taus": P["taus"],
             "minutes": (time.time() - t_start) / 60,
             "variant_minutes": sum((r.get("train_s") or 0) + r["eval_s"] for r in results.values()) / 60,
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                       f"{a.threads} thread(s) per process, {jobs} job(s) at once",
+                       f"{a.threads} thread(s) per process, {P['jobs']} job(s) at once",
             "n_test": min(limit or 10**9, len(read_jsonl(f"{data_dir}/test.jsonl")))}
     write_results(a.results, results, meta, cmds)
     print(f"\nwrote {a.results}/RESULTS.md, tau_sweep.png, mask.png; {since()}", flush=True)
