@@ -114,14 +114,15 @@ def load_optimizer(net, opt, S, osd, rank):
     dsd.set_optimizer_state_dict(net, opt, osd if rank == 0 else {}, options=o)
 
 
-def write_release(tmp, model, S, ids, tok, stage, eos_ids):
+def write_release(tmp, model, S, special, tok, stage, eos_ids):
     """out_dir/{ar,mars}: the HF model, the tokenizer, generation_config.json, mars.json."""
     model.save_pretrained(tmp)
     if tok is not None:
         tok.save(tmp)
-    gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": eos_ids, "pad_token_id": ids["pad"],
+    gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": eos_ids, "pad_token_id": special["pad"],
            "do_sample": False}
-    meta = {"block_size": S.block_size, "mask_id": ids["mask"], "eos_id": ids["eos"], "pad_id": ids["pad"],
+    meta = {"block_size": S.block_size, "mask_id": special["mask"], "eos_id": special["eos"],
+            "pad_id": special["pad"],
             "stage": stage, "settings": asdict(S)}
     write_json(os.path.join(tmp, "generation_config.json"), gen)
     write_json(os.path.join(tmp, "mars.json"), meta)

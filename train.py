@@ -179,15 +179,15 @@ def step_rows(n, batch, seed, stage, step):
     return out
 
 
-def make_batch(d, rows, S, ids, device):
+def make_batch(d, rows, S, special, device):
     """Rows of a prepared file -> ids, labels (N, l), EOS-padded to a multiple of B then
     right-padded (mars.pad_row, mars.collate, §2), and the number of tokens before padding."""
     off, padded = d["offsets"], []
     for i in rows.tolist():
         a, b = int(off[i]), int(off[i + 1])
         padded.append(pad_row(d["ids"][a:b].tolist(), d["loss"][a:b].astype(bool).tolist(), S.block_size,
-                              ids["eos"]))
-    return *collate(padded, ids["pad"], device), sum(len(r[0]) for r in padded)
+                              special["eos"]))
+    return *collate(padded, special["pad"], device), sum(len(r[0]) for r in padded)
 
 
 def fingerprint(d):
@@ -278,21 +278,21 @@ def special_ids(S):
         from tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(path)
-    ids = {k: getattr(S, f"{k}_id") if getattr(S, f"{k}_id") >= 0 else getattr(tok, f"{k}_id", None)
-           for k in ("mask", "eos", "pad")}
-    for k, v in ids.items():
+    special = {k: getattr(S, f"{k}_id") if getattr(S, f"{k}_id") >= 0 else getattr(tok, f"{k}_id", None)
+               for k in ("mask", "eos", "pad")}
+    for k, v in special.items():
         if v is None:
             raise SystemExit(f"no tokenizer (tokenizer={path!r}): set --{k}_id")
-    return tok, ids
+    return tok, special
 
 
-def initial_model(S, tok, ids):
+def initial_model(S, tok, special):
     """The model a fresh run starts from: a new Qwen2 of the scratch settings, or init_from."""
     if S.init_from == "scratch":
-        cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(ids.values()) + 1),
+        cfg = Qwen2Config(vocab_size=S.vocab_size or (tok.vocab_size if tok else max(special.values()) + 1),
                           hidden_size=S.n_embd, intermediate_size=S.intermediate, num_hidden_layers=S.n_layer,
                           num_attention_heads=S.n_head, num_key_value_heads=S.n_kv_head,
-                          max_position_embeddings=2 * S.max_len + 64, eos_token_id=ids["eos"])
+                          max_position_embeddings=2 * S.max_len + 64, eos_token_id=special["eos"])
         return init_weights(Qwen2(cfg), S.init_std, S.seed)
     if not os.path.isdir(S.init_from):
         raise SystemExit(f"init_from={S.init_from!r}: neither 'scratch' nor a directory")
@@ -300,13 +300,13 @@ def initial_model(S, tok, ids):
 
 
 @torch.no_grad()
-def val_loss(runner, net, val, S, ids, rank, world, device, amp):
+def val_loss(runner, net, val, S, special, rank, world, device, amp):
     """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
     acc = torch.zeros(2, device=device)
     net.train(False)
     for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
-        x, y, _ = make_batch(val, part, S, ids, device)  # the same number of forwards on every rank
+        x, y, _ = make_batch(val, part, S, special, device)  # the same number of forwards on every rank
         with amp:
             acc += torch.stack([runner(x, y)[0].float() * len(part), torch.tensor(float(len(part)),
                                                                                 device=device)])
@@ -335,7 +335,7 @@ class Run:
     device: torch.device
     data: dict  # "train", "val": prepared arrays (data/prepare.py)
     tok: object  # tokenizer.Tokenizer or None
-    ids: dict  # special ids: "mask", "eos", "pad"
+    special: dict  # special token ids: "mask", "eos", "pad"
     totals: dict  # optimizer steps per stage
     model: Qwen2 = None
     net: StageLoss = None  # the loss module DDP / FSDP wrap
@@ -404,11 +404,11 @@ def load_data(S, rank, world):
     n_train = len(off) - 1
     if n_train == 0 or int((off[1:] - off[:-1]).max()) > S.max_len:
         raise SystemExit(f"{S.data_dir}/train.npz: empty, or a row is longer than max_len={S.max_len}")
-    tok, ids = special_ids(S)
+    tok, special = special_ids(S)
     totals = {"ar": S.ar_steps, "mars": S.mars_steps}
     if S.epochs > 0:
         totals = dict.fromkeys(STAGES, math.ceil(S.epochs * n_train / S.batch_size))
-    return data, tok, ids, totals
+    return data, tok, special, totals
 
 
 def resume_point(r):
@@ -437,14 +437,14 @@ def resume_point(r):
 
 def build_model(r, state):
     """The model (from the checkpoint, init_from or scratch), on its device, wrapped for the run."""
-    S, ids = r.S, r.ids
-    model = Qwen2.from_pretrained(r.ckpt) if state is not None else initial_model(S, r.tok, ids)
+    S, special = r.S, r.special
+    model = Qwen2.from_pretrained(r.ckpt) if state is not None else initial_model(S, r.tok, special)
     cfg, data = model.config, r.data
-    top = max(ids["mask"], int(data["train"]["ids"].max()), int(data["val"]["ids"].max(initial=0)))
+    top = max(special["mask"], int(data["train"]["ids"].max()), int(data["val"]["ids"].max(initial=0)))
     if cfg.vocab_size <= top:
-        raise SystemExit(f"vocab_size={cfg.vocab_size} must exceed every id used: mask_id={ids['mask']}, "
+        raise SystemExit(f"vocab_size={cfg.vocab_size} must exceed every id used: mask_id={special['mask']}, "
                          f"largest={top}")
-    eos_ids = [ids["eos"], getattr(r.tok, "endoftext_id", None)]
+    eos_ids = [special["eos"], getattr(r.tok, "endoftext_id", None)]
     eos_ids += cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     r.eos_ids = [e for e in dict.fromkeys(eos_ids) if e is not None]
     model.to(r.device)
@@ -455,7 +455,7 @@ def build_model(r, state):
           f"{r.device}, {str(dtype).removeprefix('torch.')}")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
         r.say(memory_report(cfg, replace(S, dtype=str(dtype).removeprefix("torch.")), r.world))
-    r.model, r.net, r.amp = model, StageLoss(model, S, ids["mask"]), autocast(r.device, dtype)
+    r.model, r.net, r.amp = model, StageLoss(model, S, special["mask"]), autocast(r.device, dtype)
     if r.world > 1 and S.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -517,7 +517,7 @@ def run_stage(r, stage, start, state, t):
         if done % S.log_interval == 0 or done in (1, total):  # the same steps after a resume
             log_step(r, stage, done, lr, (loss, l_mask, l_ar), tokens / dt, gnorm, dt, t)
         if done % S.eval_interval == 0 or done == total:
-            v = val_loss(r.runner, r.net, r.data["val"], S, r.ids, r.rank, r.world, r.device, r.amp)
+            v = val_loss(r.runner, r.net, r.data["val"], S, r.special, r.rank, r.world, r.device, r.amp)
             if v is not None:
                 r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
                 r.say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
@@ -536,7 +536,7 @@ def train_step(r, opt, stage, step):
     acc = torch.zeros(4, device=r.device)  # loss, l_mask, l_ar, tokens of this process
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
-        x, y, n_tok = make_batch(r.data["train"], rows[k * mb:(k + 1) * mb], S, r.ids, r.device)
+        x, y, n_tok = make_batch(r.data["train"], rows[k * mb:(k + 1) * mb], S, r.special, r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)
         with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
@@ -581,7 +581,7 @@ def save(r, opt, stage, done, total):
     if r.rank == 0:
         if done == total:  # the release first: a checkpoint at the end means "stage done"
             out = os.path.join(r.S.out_dir, stage)
-            replace_dir(out, write_release, model_full, r.S, r.ids, r.tok, stage, r.eos_ids)
+            replace_dir(out, write_release, model_full, r.S, r.special, r.tok, stage, r.eos_ids)
             r.say(f"saved {out}")
         replace_dir(r.ckpt, write_checkpoint, model_full, osd, r.S, stage, done,
                     fingerprint(r.data["train"]))

@@ -45,11 +45,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_mode(model0, S, stage, data, ids, device, steps, warmup):
+def bench_mode(model0, S, stage, data, special, device, steps, warmup):
     """Median seconds per optimizer step, real tokens per step, CUDA peak bytes (or None)."""
     model = copy.deepcopy(model0).to(device)
     model.gradient_checkpointing = S.gradient_checkpointing
-    net = train.StageLoss(model, S, ids["mask"])
+    net = train.StageLoss(model, S, special["mask"])
     net.stage = stage
     opt = train.make_optimizer(net, S, device)
     amp = autocast(device, compute_dtype(S.dtype, device))
@@ -61,7 +61,8 @@ def bench_mode(model0, S, stage, data, ids, device, steps, warmup):
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(warmup + steps):
         rows = train.step_rows(n_train, S.batch_size, S.seed, "ar", step)  # same rows for every mode
-        batches = [train.make_batch(data, rows[m * mb:(m + 1) * mb], S, ids, device) for m in range(accum)]
+        batches = [train.make_batch(data, rows[m * mb:(m + 1) * mb], S, special, device)
+                   for m in range(accum)]
         sync(device)
         t0 = time.perf_counter()
         for x, y, _ in batches:
@@ -102,10 +103,10 @@ def main(argv=None):
         print(f"building the default data set in {S.data_dir}")
         build_default(S.data_dir, S.seed)
     data = load_npz(os.path.join(S.data_dir, "train.npz"))
-    tok, ids = train.special_ids(S)
+    tok, special = train.special_ids(S)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if S.device == "auto" else S.device)
-    model0 = train.initial_model(S, tok, ids)
+    model0 = train.initial_model(S, tok, special)
     cfg = model0.config
     print(machine(str(device)))
     print(f"model: {model0.num_params() / 1e6:.2f}M params ({cfg.num_hidden_layers} layers, width "
@@ -117,7 +118,8 @@ def main(argv=None):
     base = None
     for m in modes:
         stage, over = MODES[m]
-        dt, n_tok, peak = bench_mode(model0, replace(S, **over), stage, data, ids, device, a.steps, a.warmup)
+        dt, n_tok, peak = bench_mode(model0, replace(S, **over), stage, data, special, device, a.steps,
+                                     a.warmup)
         base = base or (dt, dt / n_tok, peak)
         mem = f"   {peak / 2**30:8.3f}  {peak / base[2]:5.2f}" if peak is not None else ""
         print(f"  {m:<10} {1000 * dt:9.1f} {dt / base[0]:6.2f} {n_tok / dt:10.0f} {1e6 * dt / n_tok:9.2f} "
