@@ -80,6 +80,7 @@ class Settings:
     epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
+    bucket_window: int = 1  # > 1: batches of similar lengths, drawn from windows of this many steps
     max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
     lr: float = 1e-3
     min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
@@ -154,29 +155,57 @@ def parse_settings(argv):
                 put(k, v, value, text=False)
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
-    for k in ("block_size", "batch_size", "micro_batch_size", "log_interval", "eval_interval",
-              "ckpt_interval"):
+    for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "log_interval",
+              "eval_interval", "ckpt_interval"):
         if getattr(s, k) < 1:
             raise SystemExit(f"{k} must be >= 1, got {getattr(s, k)}")
     return s
 
 
 # ----------------------------------------------------------------------------- data
+def _perm(n, *key):
+    """A permutation of range(n) seeded by a hash of `key` (no global RNG state)."""
+    seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little") >> 1
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+
+
 @lru_cache(maxsize=4)
 def _epoch_perm(n, seed, stage, epoch):
-    key = int.from_bytes(hashlib.sha256(repr((seed, stage, epoch)).encode()).digest()[:8], "little") >> 1
-    return torch.randperm(n, generator=torch.Generator().manual_seed(key))
+    return _perm(n, seed, stage, epoch)
 
 
-def step_rows(n, batch, seed, stage, step):
-    """Row indices of optimizer step `step` of `stage`: samples step*batch .. (step+1)*batch-1
-    of a sequence of epochs, epoch e a permutation of the n rows seeded by (seed, stage, e).
-    A pure function of its arguments (no RNG state to save), every row once per epoch."""
-    k = torch.arange(step * batch, (step + 1) * batch)
-    out = torch.empty(batch, dtype=torch.long)
+def _samples(n, count, seed, stage, i):
+    """Samples i*count .. (i+1)*count-1 of a sequence of epochs, epoch e a permutation of
+    the n rows seeded by (seed, stage, e): every row once per epoch."""
+    k = torch.arange(i * count, (i + 1) * count)
+    out = torch.empty(count, dtype=torch.long)
     for e in (k // n).unique().tolist():
         out[k // n == e] = _epoch_perm(n, seed, stage, e)[k[k // n == e] % n]
     return out
+
+
+def step_rows(n, batch, seed, stage, step, lengths=None, window=1):
+    """Row indices of optimizer step `step` of `stage`. A pure function of its arguments (no
+    RNG state to save, so a resumed run takes the same rows), every row once per epoch.
+
+    window = 1: samples step*batch .. (step+1)*batch-1 of the epoch sequence (_samples).
+    window = W > 1 (length buckets): the W steps of window w = step // W share its W*batch
+    samples; sorted by length (`lengths`, per row) they are cut into W batches of similar
+    lengths, which the W steps take in an order seeded by (seed, stage, w). Less padding
+    (data/default: 77% of batch tokens real at W = 1, 94% at W = 8), the same rows."""
+    if window == 1:
+        return _samples(n, batch, seed, stage, step)
+    w, i = divmod(step, window)
+    rows = _samples(n, batch * window, seed, stage, w)
+    rows = rows[torch.argsort(torch.as_tensor(lengths)[rows], stable=True)]  # shortest first
+    pick = int(_perm(window, seed, stage, "window", w)[i])
+    return rows[pick * batch:(pick + 1) * batch]
+
+
+def batch_rows(d, S, stage, step):
+    """The rows of a prepared file that optimizer step `step` of `stage` trains on."""
+    off = d["offsets"]
+    return step_rows(len(off) - 1, S.batch_size, S.seed, stage, step, off[1:] - off[:-1], S.bucket_window)
 
 
 def make_batch(d, rows, S, special, device):
@@ -532,7 +561,7 @@ def train_step(r, opt, stage, step):
     gradient accumulation, clip, a NaN/inf guard, AdamW. -> loss, l_mask, l_ar, tokens, gnorm."""
     S, world, net, mb = r.S, r.world, r.net, r.S.micro_batch_size
     accum = micro_batches(S, world)
-    rows = step_rows(len(r.data["train"]["offsets"]) - 1, S.batch_size, S.seed, stage, step)  # global batch
+    rows = batch_rows(r.data["train"], S, stage, step)  # the step's global batch
     acc = torch.zeros(4, device=r.device)  # loss, l_mask, l_ar, tokens of this process
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1

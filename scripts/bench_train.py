@@ -55,12 +55,11 @@ def bench_mode(model0, S, stage, data, special, device, steps, warmup):
     amp = autocast(device, compute_dtype(S.dtype, device))
     runner = torch.compile(net) if S.compile else net
     accum, mb = S.batch_size // S.micro_batch_size, S.micro_batch_size
-    n_train = len(data["offsets"]) - 1
     times, tokens = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(warmup + steps):
-        rows = train.step_rows(n_train, S.batch_size, S.seed, "ar", step)  # same rows for every mode
+        rows = train.batch_rows(data, S, "ar", step)  # the same rows for every mode
         batches = [train.make_batch(data, rows[m * mb:(m + 1) * mb], S, special, device)
                    for m in range(accum)]
         sync(device)

@@ -421,3 +421,28 @@ def test_named_configs(tmp_path):
     assert 16 * n < memory.estimate_memory(q05, small) <= 24e9
     no_ckpt = replace(small, gradient_checkpointing=False)
     assert memory.estimate_memory(q05, no_ckpt) > memory.estimate_memory(q05, small) + 4e9
+
+
+def test_step_rows_every_row_once_per_epoch_and_buckets_by_length():
+    """step_rows is a pure function of (seed, stage, step); window = 1 takes the samples of
+    the epoch permutations in order; window = W cuts each window's samples, sorted by
+    length, into W batches: every row still once per epoch, and no batch overlaps another
+    batch of its window in length."""
+    n, batch, W = 96, 4, 6
+    lengths = torch.randint(10, 60, (n,), generator=torch.Generator().manual_seed(0))
+    plain = torch.cat([train.step_rows(n, batch, 0, "mars", s) for s in range(n // batch)])
+    assert torch.equal(plain, train._epoch_perm(n, 0, "mars", 0))  # the written-out rule
+    for epoch in range(2):  # n / (batch * W) = 4 windows per epoch
+        steps = range(epoch * n // batch, (epoch + 1) * n // batch)
+        got = [train.step_rows(n, batch, 0, "mars", s, lengths, W) for s in steps]
+        assert sorted(torch.cat(got).tolist()) == list(range(n))  # every row once
+        for w in range(0, len(got), W):  # inside a window: disjoint length ranges
+            spans = sorted((int(lengths[b].min()), int(lengths[b].max())) for b in got[w:w + W])
+            assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
+        window_rows = torch.cat([train._samples(n, batch * W, 0, "mars", epoch * 4 + i) for i in range(4)])
+        assert sorted(window_rows.tolist()) == sorted(torch.cat(got).tolist())
+    assert torch.equal(train.step_rows(n, batch, 0, "mars", 7, lengths, W),
+                       train.step_rows(n, batch, 0, "mars", 7, lengths, W))
+    pad = lambda rows: sum(int(lengths[r].max()) * len(r) for r in rows)
+    assert pad([train.step_rows(n, batch, 0, "mars", s, lengths, W) for s in range(24)]) < \
+        pad([train.step_rows(n, batch, 0, "mars", s) for s in range(24)])
