@@ -13,7 +13,10 @@ reference, each able to fail.
     quantile on >= 20,000 seeded samples (deterministic, so never flaky), for the first
     token and for the joint of three tokens of a toy two-distribution "model" decoded
     with K = 2 drafts; the same test REJECTS a wrong rule (accept every draft);
-  * one-hot p and q (temperature 0) reduce the rule exactly to the greedy rule.
+  * one-hot p and q (temperature 0) reduce the rule exactly to the greedy rule;
+  * the decoders' future reference, the exact AR distribution of all 3-token
+    continuations of a tiny HF Qwen2 (tests/sampling_reference.py), is what HF's own
+    sampler draws, and the chi-square test tells it from another temperature's.
 """
 
 import itertools
@@ -22,7 +25,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from sampling_reference import chi_square, critical_value, histogram
+from sampling_reference import (
+    ar_distribution,
+    chi_square,
+    critical_value,
+    hf_next_logits,
+    histogram,
+    tiny_hf_model,
+)
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -322,3 +333,24 @@ def test_critical_value_matches_scipy():
     for df in (2, 3, 7, 63, 124, 511):
         exact = stats.chi2.ppf(0.999, df)
         assert abs(critical_value(df) / exact - 1) < (0.025 if df < 7 else 0.01), df
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.9)])
+def test_reference_ar_distribution_is_what_hf_samples(s):
+    """The phase-2 reference (sampling_reference.ar_distribution, exact over all 8^3
+    continuations of a tiny HF Qwen2) against HF generate(do_sample=True): 20,000 samples
+    pass; the same samples are rejected against the distribution of another temperature."""
+    hf, prompt, N = tiny_hf_model(), [1, 2, 3], 20_000
+    probs, margin = ar_distribution(hf_next_logits(hf), prompt, 3, 8, s)
+    assert margin > 1e-4  # no continuation sits at the top-p edge within float rounding
+    torch.manual_seed(0)
+    gc = GenerationConfig(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=3,
+                          min_new_tokens=3, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        seqs = hf.generate(torch.tensor([prompt] * N), generation_config=gc)[:, len(prompt):]
+    stat, df = chi_square(histogram(seqs, 8), probs)
+    assert stat < critical_value(df), (stat, critical_value(df))
+    other, _ = ar_distribution(hf_next_logits(hf), prompt, 3, 8, Sampling(temperature=s.temperature * 1.5,
+                                                                                top_p=s.top_p))
+    wrong, df = chi_square(histogram(seqs, 8), other)
+    assert wrong > 2 * critical_value(df), (wrong, critical_value(df))
