@@ -106,6 +106,8 @@ def categorical(probs, gens):
     draw = lambda pr, g: torch.multinomial(pr.reshape(-1, V), 1, generator=g).view(pr.shape[:-1])
     if isinstance(gens, torch.Generator):
         return draw(probs, gens)
+    if len(gens) != probs.shape[0]:
+        raise ValueError(f"{len(gens)} generators for {probs.shape[0]} rows")
     return torch.stack([draw(probs[b], g) for b, g in enumerate(gens)])
 
 
