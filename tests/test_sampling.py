@@ -8,7 +8,9 @@ reference, each able to fail.
   * temperature 0: pick is `logits.float().argmax(-1)` (today's greedy rule) and uses no
     randomness; the probability confidence is `logits.float().softmax(-1).gather(c)`;
   * bad settings are ValueErrors naming the flag;
-  * a row drawn in a batch equals the row drawn alone (per-row generators);
+  * a row drawn in a batch equals the row drawn alone (per-row generators); with one
+    Generator, an AR loop of pick over HF's logits IS HF generate(do_sample=True) under
+    the same seed, token for token (20,000 rows);
   * the speculative rule preserves the target distribution: chi-square at the 0.999
     quantile on >= 20,000 seeded samples (deterministic, so never flaky), for the first
     token and for the joint of three tokens of a toy two-distribution "model" decoded
@@ -354,3 +356,21 @@ def test_reference_ar_distribution_is_what_hf_samples(s):
                                                                                 top_p=s.top_p))
     wrong, df = chi_square(histogram(seqs, 8), other)
     assert wrong > 2 * critical_value(df), (wrong, critical_value(df))
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)])
+def test_pick_with_one_generator_is_hf_generate_token_for_token(s):
+    """An AR loop over HF's own logits with pick and one Generator seeded 0 draws exactly
+    what HF generate(do_sample=True) draws after torch.manual_seed(0): same processed
+    probabilities (bit for bit) and the same torch.multinomial call on the same stream."""
+    hf, prompt, N = tiny_hf_model(), [1, 2, 3], 20_000
+    ids, g = torch.tensor([prompt] * N), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.cat([ids, pick(hf(input_ids=ids).logits[:, -1], s, g)[:, None]], 1)
+        torch.manual_seed(0)
+        gc = GenerationConfig(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=3, min_new_tokens=3, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(torch.tensor([prompt] * N), generation_config=gc)
+    assert torch.equal(ids, ref)
+    assert len(set(map(tuple, ref[:, 3:].tolist()))) > 100  # really sampled
