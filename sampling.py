@@ -114,8 +114,8 @@ def categorical(probs, gens):
 def pick(logits, s, gens=None):
     """The token at each position: logits (N, ..., V) -> (N, ...). Temperature 0 is the
     argmax of the float32 logits (today's greedy rule, no randomness used); otherwise a
-    draw from processed_probs. Per row, one call consumes its generator once per call
-    (a multinomial over the row's positions), independently of the other rows."""
+    draw from processed_probs: with per-row generators, one multinomial per row over that
+    row's positions, from the row's own stream, whatever the other rows are."""
     if s.greedy:
         return logits.float().argmax(-1)
     return categorical(processed_probs(logits, s), gens)
