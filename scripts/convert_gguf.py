@@ -48,7 +48,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from model import Qwen2, Qwen2Config, rope_inv_freq
-from tokenizer import BYTE_TO_CHAR, QWEN2_PATTERN
+from tokenizer import BYTE_TO_CHAR, QWEN2_PATTERN, Tokenizer
 from util.atomic import replace_dir, write_json
 
 ARCHS = ("llama", "qwen2")
@@ -244,7 +244,8 @@ def tokenizer_config(g: GGUFFile, tokens, added, cfg: Qwen2Config) -> dict:
     template = g.get("tokenizer.chat_template", None)
     if template is None:
         raise g.error("tokenizer.chat_template", "missing: a chat model needs its chat template")
-    return {"add_prefix_space": False, "added_tokens_decoder": {str(a["id"]): a for a in added},
+    decoder = {str(a["id"]): {k: v for k, v in a.items() if k != "id"} for a in added}
+    return {"add_prefix_space": False, "added_tokens_decoder": decoder,
             "bos_token": name("tokenizer.ggml.bos_token_id"),
             "eos_token": name("tokenizer.ggml.eos_token_id"),
             "pad_token": name("tokenizer.ggml.padding_token_id"),
@@ -265,9 +266,10 @@ def write_checkpoint(tmp, g: GGUFFile):
                                         "do_sample": False},
              "mars.json": {"mask_id": mask_id, "block_size": None,
                            "converted_from": os.path.basename(g.path)}}
-    build_model(g, cfg).save_pretrained(tmp)
     for name, obj in files.items():
         write_json(os.path.join(tmp, name), obj)
+    Tokenizer.from_dir(tmp)  # our tokenizer reads what we wrote (else: an error, and no OUT_DIR)
+    build_model(g, cfg).save_pretrained(tmp)
     return cfg, mask_id, tokens[mask_id] if mask_id < len(tokens) else "<|mask|>"
 
 
