@@ -153,6 +153,21 @@ def test_tokenizer_ids_equal_hf_tokenizers_on_real_vocabulary(converted, tok):
         assert tok.decode(tok.encode(s)) == hf.decode(hf.encode(s).ids, skip_special_tokens=False)
 
 
+def test_plain_gpt2_pre_tokenizer_and_nfc_on_real_vocabulary(converted, tmp_path):
+    """The other supported components, on the same vocabulary: GPT-2's ByteLevel regex alone
+    (no digit split) and an NFC normaliser; still HF `tokenizers`' ids."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    spec = json.load(open(os.path.join(converted, "tokenizer.json")))
+    spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": True}
+    spec["normalizer"] = {"type": "NFC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    hf, ours = HFTokenizer.from_file(str(tmp_path / "tokenizer.json")), Tokenizer.from_dir(tmp_path)
+    for s in SMOLLM_CORPUS + random_strings(1, 1000):
+        assert ours.encode(s) == hf.encode(s, add_special_tokens=False).ids, repr(s)
+
+
 def test_chat_ids_equal_apply_chat_template_with_smollm2_default_system(converted, tok):
     from transformers import AutoTokenizer
 
