@@ -141,11 +141,9 @@ def is_correct(problem, completion_text):
 
 
 def write_jsonl(rows, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    from util.atomic import write_text  # here: `python data/synthetic.py` puts the repo on the path first
+
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def read_jsonl(path):
