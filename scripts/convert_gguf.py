@@ -120,8 +120,11 @@ def read_config(g: GGUFFile) -> Qwen2Config:
     if g.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise g.error(f"{arch}.rope.dimension_count", "partial rotary embedding is not supported")
     f32 = lambda x: float(str(np.float32(x)))  # stored as float32: 1e-05, not 9.9999997e-06
+    embed = next((t for t in g.reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFError(f"{g.path}: no tensor 'token_embd.weight'")
     return Qwen2Config(
-        vocab_size=g.get(f"{arch}.vocab_size", len(g.get("tokenizer.ggml.tokens"))),
+        vocab_size=int(embed.shape[1]),  # embedding rows (GGUF lists dims innermost first)
         hidden_size=width, intermediate_size=g.get(f"{arch}.feed_forward_length"),
         num_hidden_layers=g.get(f"{arch}.block_count"), num_attention_heads=n_head,
         num_key_value_heads=g.get(f"{arch}.attention.head_count_kv", n_head), head_dim=head_dim,

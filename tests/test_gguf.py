@@ -201,47 +201,103 @@ def test_mask_id_is_recorded_and_never_in_chat_text(converted, tok):
 
 # ------------------------------------------------------------------ bad input
 
-def tiny_gguf(path, arch="llama", qtype=None, pre="smollm"):
-    """A tiny GGUF written with gguf.GGUFWriter: byte tokens + ChatML added tokens, random F32
-    weights; `qtype` stores ffn_up as raw bytes of that quantisation type instead."""
-    rng = np.random.default_rng(0)
+TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<reserved>"]  # + the 256 bytes + "ab"
+C, F, H, H_KV = 32, 64, 4, 2  # width, FFN, heads, kv heads of the tiny files
+
+
+def tiny_gguf(path, arch="llama", qtype=None, pre="smollm", weights=None, spare_rows=0):
+    """A tiny GGUF written with gguf.GGUFWriter: byte tokens + ChatML added tokens, one layer of
+    `weights` (GGUF names; default random F32); `qtype` stores ffn_up as raw bytes of that
+    quantisation type instead; `spare_rows` embedding rows beyond the tokens."""
     from tokenizer import BYTE_TO_CHAR
 
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<reserved>"]
-    tokens += [BYTE_TO_CHAR[b] for b in range(256)] + ["ab"]
-    types = [3, 3, 3, 3] + [1] * 257
+    rng = np.random.default_rng(0)
+    tokens = TOKENS + [BYTE_TO_CHAR[b] for b in range(256)] + ["ab"]
     w = gguf.GGUFWriter(str(path), arch=arch)
-    C, F, L, H = 32, 64, 1, 4
-    for key, value in (("block_count", L), ("context_length", 128), ("embedding_length", C),
+    for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", C),
                        ("feed_forward_length", F), ("attention.head_count", H),
-                       ("attention.head_count_kv", 2)):
+                       ("attention.head_count_kv", H_KV)):
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types(types)
+    w.add_token_types([3] * len(TOKENS) + [1] * (len(tokens) - len(TOKENS)))
     w.add_token_merges(["a b"])
     w.add_eos_token_id(2)
     w.add_chat_template("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + "
                         "'<|im_end|>' + '\n'}}{% endfor %}")
-    shapes = {"token_embd.weight": (len(tokens), C), "output_norm.weight": (C,)}
+    shapes = {"token_embd.weight": (len(tokens) + spare_rows, C), "output_norm.weight": (C,)}
     for name, shape in (("attn_norm", (C,)), ("ffn_norm", (C,)), ("attn_q", (C, C)), ("attn_k", (C // 2, C)),
                         ("attn_v", (C // 2, C)), ("attn_output", (C, C)), ("ffn_gate", (F, C)),
                         ("ffn_up", (F, C)), ("ffn_down", (C, F))):
         shapes[f"blk.0.{name}.weight"] = shape
-    for name, shape in shapes.items():
+    weights = weights or {name: rng.standard_normal(shape).astype(np.float32)
+                          for name, shape in shapes.items()}
+    for name, x in weights.items():
         if qtype is not None and name == "blk.0.ffn_up.weight":
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            w.add_tensor(name, np.zeros((shape[0], shape[1] // block * size), np.uint8), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+            x = np.zeros((x.shape[0], x.shape[1] // block * size), np.uint8)
+        w.add_tensor(name, x, raw_dtype=qtype if x.dtype == np.uint8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+def llama_cpp_weights(hf, arch):
+    """An HF model's tensors as llama.cpp's convert_hf_to_gguf.py writes them (F32): GGUF names,
+    and for Llama the Q/K rows permuted into GGML's interleaved rope order (its `permute`)."""
+    from scripts.convert_gguf import GLOBAL_NAMES, LAYER_NAMES
+
+    to_gguf = {v: k for k, v in GLOBAL_NAMES.items()}
+    to_gguf |= {f"model.layers.0.{v}": f"blk.0.{k}" for k, v in LAYER_NAMES.items()}
+    out = {}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+            continue
+        x = t.numpy().copy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = H if "q_proj" in name else H_KV
+            x = x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+        out[to_gguf[name]] = x
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_llama_and_qwen2_gguf_convert_to_the_hf_model(tmp_path, arch):
+    """Both architectures, written as llama.cpp writes them, convert back to the HF model they
+    came from: Llama's Q/K permutation undone, Qwen2's q/k/v biases kept; a Qwen2 vocabulary
+    with spare embedding rows gets `<|mask|>` in the first spare row (MARS_SPEC §2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from model import Qwen2
+
+    n_tokens, spare = len(TOKENS) + 257, 3 if arch == "qwen2" else 0
+    kw = dict(vocab_size=n_tokens + spare, hidden_size=C, intermediate_size=F, num_hidden_layers=1,
+              num_attention_heads=H, num_key_value_heads=H_KV, rope_theta=10000.0, rms_norm_eps=1e-5,
+              tie_word_embeddings=True, initializer_range=0.2)
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**kw)) if arch == "qwen2" else LlamaForCausalLM(LlamaConfig(**kw))
+    hf.eval()
+    with torch.no_grad():  # every parameter matters: random biases and norm weights
+        for name, p in hf.named_parameters():
+            if name.endswith((".bias", "norm.weight")):
+                p.copy_(torch.randn(p.shape) * 0.5 + name.endswith("norm.weight"))
+    path = tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, weights=llama_cpp_weights(hf, arch),
+                     spare_rows=spare)
+    out = str(tmp_path / "out")
+    cfg, mask_id, _ = convert(path, out)
+    assert cfg.attention_bias == (arch == "qwen2")
+    assert mask_id == (n_tokens if arch == "qwen2" else 3)  # a spare row, else the reserved token
+    model = Qwen2.from_pretrained(out)
+    idx = torch.randint(0, n_tokens, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert ref.std().item() > 0.3
+        assert (model(idx) - ref).abs().max().item() <= 1e-5
 
 
 def assert_nothing_written(out):
