@@ -32,6 +32,8 @@ We reuse. SmolLM2's ids 3-16 are StarCoder metadata tokens (`<filename>`, `<gh_s
 `<empty_output>`) are bit-identical in the released file, i.e. they were (nearly) never
 trained: the same situation as Qwen2.5's padded rows. We take the last reserved one,
 `<empty_output>` (16), and record it in mars.json, where generate.py and tokenizer.py read it.
+(Text that spells `<empty_output>` literally is tokenised to 16, exactly as HF does; chat
+text does not, and the MARS code never needs to parse the mask from text.)
 A checkpoint whose embedding has rows beyond its vocabulary (a Qwen2.5 GGUF) gets the first
 spare row, exactly as §2 says. What is NOT done here: any training; a GGUF with rope
 scaling, biases on a Llama, or another tokenizer model than byte-level BPE is refused.
@@ -294,7 +296,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         cfg, mask_id, mask_name = convert(a.gguf_file, a.out_dir)
-    except GGUFError as e:
+    except (ValueError, OSError) as e:  # GGUFError, or our tokenizer refusing what we wrote
         sys.exit(f"error: {e}")
     arch = "qwen2" if cfg.attention_bias else "llama"
     print(f"{a.gguf_file} -> {a.out_dir}: {arch}, {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, "
