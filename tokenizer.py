@@ -274,7 +274,8 @@ def _check_bpe_model(model: dict, where: str):
 
 
 def _read_tokenizer_json(file: Path):
-    """tokenizer.json -> (vocab entries, merge pairs, added records, pre_tokenizer, normalizer)."""
+    """tokenizer.json -> (vocab entries, merge pairs, added records, pre_tokenizer, normalizer,
+    unk_token), each component checked (a clear error names what is not supported)."""
     spec = json.loads(file.read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     _check_bpe_model(model, str(file))
