@@ -15,6 +15,13 @@ in fp32 and cos/sin cast to the activation dtype; q/k/v with bias, o without;
 softmax in fp32 (scaled_dot_product_attention); residual adds in the model dtype.
 Parameter names are HF's (model.layers.N.self_attn.q_proj, ...), so a
 checkpoint loads by name and what we save loads in transformers.
+
+Which config.json files load (`Qwen2Config.from_hf_dict`): `qwen2` (Qwen2 / Qwen2.5);
+`a2d-qwen2`, the authors' released MARS checkpoints, which are plain Qwen2 weights under
+another name; and `llama` without rope scaling or biases (e.g. SmolLM2, converted by
+scripts/convert_gguf.py). A Llama model is a Qwen2 model without the q/k/v biases: we
+build it with no bias tensors (`attention_bias=False`) rather than with zero ones, so
+it has exactly the checkpoint's parameters and saves back as a `llama` config.json.
 """
 
 import json
@@ -27,6 +34,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from util.atomic import atomic_write, write_json
+
+# config.json model_type -> whether q/k/v carry biases (the only difference we model)
+MODEL_TYPES = {"qwen2": True, "a2d-qwen2": True, "llama": False}
 
 
 @dataclass
@@ -44,6 +56,7 @@ class Qwen2Config:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    attention_bias: bool = True  # q/k/v biases: Qwen2 has them, Llama not (saved as model_type llama)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -55,15 +68,13 @@ class Qwen2Config:
     @classmethod
     def from_hf_dict(cls, d: dict, source: str = "config") -> "Qwen2Config":
         """Read the fields we use from an HF config.json dict; refuse what we cannot run."""
-        if d.get("model_type") not in ("qwen2", None):
-            raise ValueError(f"{source}: unsupported model_type {d.get('model_type')!r} "
-                             "(only 'qwen2', i.e. Qwen2 / Qwen2.5, is implemented)")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"{source}: unsupported rope type {rope!r}")
+        model_type = d.get("model_type", "qwen2")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{source}: unsupported model_type {model_type!r} "
+                             f"(implemented: {', '.join(MODEL_TYPES)})")
         d = dict(d)
+        _check_supported(d, model_type, source)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" not in d and "rope_theta" in rope:  # transformers >= 5 nests it
             d["rope_theta"] = rope["rope_theta"]
         names = {f.name for f in fields(cls)}
@@ -72,9 +83,11 @@ class Qwen2Config:
         if missing:
             raise ValueError(f"{source}: missing key(s) {missing}")
         kw = {k: v for k, v in d.items() if k in names and v is not None}
+        kw["attention_bias"] = MODEL_TYPES[model_type]
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
-        # a key config.json leaves out means what transformers' Qwen2Config says, not the
-        # 0.5B defaults above: an untied checkpoint must not be silently tied
+        # a key config.json leaves out means what transformers' Qwen2Config / LlamaConfig
+        # says (the same for both), not the 0.5B defaults above: an untied checkpoint must
+        # not be silently tied
         kw.setdefault("tie_word_embeddings", False)
         kw.setdefault("rope_theta", 10000.0)
         return cls(**kw)
@@ -88,11 +101,34 @@ class Qwen2Config:
 
     def to_hf_dict(self) -> dict:
         d = asdict(self)
-        d.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu",
-                 use_sliding_window=False, sliding_window=None, attention_dropout=0.0,
-                 # both spellings, so transformers 4.x and 5.x read the same theta
+        # both spellings, so transformers 4.x and 5.x read the same theta
+        d.update(hidden_act="silu", attention_dropout=0.0,
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        if self.attention_bias:
+            del d["attention_bias"]  # Qwen2 always has the biases; its config has no such key
+            d.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                     use_sliding_window=False, sliding_window=None)
+        else:
+            d.update(model_type="llama", architectures=["LlamaForCausalLM"], mlp_bias=False)
         return d
+
+
+def _check_supported(d: dict, model_type: str, source: str):
+    """Refuse the config.json settings that change the computation and that we do not build."""
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{source}: unsupported rope type {rope!r}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: unsupported hidden_act {d['hidden_act']!r} (only silu)")
+    if model_type == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{source}: {key}=true is not supported for a llama model "
+                                 "(only Llama without biases)")
+        if d.get("pretraining_tp", 1) != 1:
+            raise ValueError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
 
 
 class RMSNorm(nn.Module):
@@ -106,6 +142,12 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: Qwen2Config, device=None):
+    """RoPE's inverse frequencies theta^(-2i/hd), i < hd/2, in fp32 (HF's default rope)."""
+    hd = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=device) / hd))
 
 
 def rope_cos_sin(position_ids, inv_freq, dtype):
@@ -125,9 +167,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=True)
+        bias = cfg.attention_bias  # Qwen2: q/k/v biases; Llama: none
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache=None):
@@ -218,9 +261,7 @@ class Qwen2(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        hd = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
@@ -272,7 +313,8 @@ class Qwen2(nn.Module):
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints store the head too; it is the embedding
                     if key not in expected:
-                        raise KeyError(f"{file}: unexpected key {key!r} (not a Qwen2 parameter)")
+                        raise KeyError(f"{file}: unexpected key {key!r} (not a parameter of the "
+                                       f"{cfg.to_hf_dict()['model_type']} model config.json describes)")
                     t = f.get_tensor(key)
                     if t.shape != expected[key]:
                         raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, "
@@ -284,9 +326,7 @@ class Qwen2(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        hd = cfg.head_dim
-        model.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float,
-                                                                device=device) / hd))
+        model.inv_freq = rope_inv_freq(cfg, device)  # buffers are not in the files
         return model
 
     def save_pretrained(self, path):
@@ -295,12 +335,12 @@ class Qwen2(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight")
-        _atomic_write(os.path.join(path, "model.safetensors"),
-                      lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        # safetensors writes by file name; the temp file is reopened only to be fsynced
+        atomic_write(os.path.join(path, "model.safetensors"),
+                     lambda f: save_file(state, f.name, metadata={"format": "pt"}), mode="wb")
         d = self.config.to_hf_dict()
         d["torch_dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
-        _atomic_write(os.path.join(path, "config.json"),
-                      lambda tmp: _write_text(tmp, json.dumps(d, indent=2) + "\n"))
+        write_json(os.path.join(path, "config.json"), d)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # a tied matrix counts once
@@ -327,18 +367,6 @@ def _weight_files(path):
         return out
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
                             "(only safetensors weights are loaded)")
-
-
-def _write_text(path, text):
-    with open(path, "w") as f:  # closed (and flushed) before the rename
-        f.write(text)
-
-
-def _atomic_write(final_path, write_fn):
-    """Write through a temp file in the same directory, then rename: never half a file."""
-    tmp = final_path + ".tmp"
-    write_fn(tmp)
-    os.replace(tmp, final_path)
 
 
 def init_weights(model: Qwen2, std: float = 0.02, seed: int | None = None):

@@ -1,21 +1,32 @@
-"""Qwen2 / Qwen2.5 tokenizer on tiktoken, the ChatML template, and MARS's loss span.
+"""Byte-level BPE tokenizers (Qwen2.5, SmolLM2, ...) on tiktoken, chat templates, MARS's loss span.
 
-What it is: the byte-level BPE of Qwen2.5 (GPT-2 byte alphabet, Qwen2's
-pre-tokenizer regex, NFC normalisation, added tokens matched inside text),
-read from a checkpoint's `vocab.json` + `merges.txt` + added tokens and run by
-tiktoken. It gives the same ids as `transformers`' Qwen2Tokenizer without
-importing it. It also trains a tiny tokenizer of the same kind (`train_bpe`)
-for the project's miniature model, and saves files that `transformers` loads.
+What it is: a byte-level BPE (GPT-2 byte alphabet) with a pre-tokenizer regex, an optional
+NFC normaliser and added tokens matched inside text, read from a checkpoint's
+`tokenizer.json` (HF `tokenizers`' file) or `vocab.json` + `merges.txt` + added tokens,
+and run by tiktoken. It gives the same ids as HF without importing it, for the
+pre-tokenizers real checkpoints use (`PRE_TOKENIZERS`: Qwen2's regex; SmolLM2's digit
+split + GPT-2's ByteLevel; plain GPT-2) and for vocabularies that lack a token for some
+byte (HF then drops that byte; so do we). Anything else is refused by name. It also
+trains a tiny tokenizer of the Qwen2 kind (`train_bpe`) for the project's miniature
+model, and saves files that `transformers` loads.
+
+The chat template comes from the checkpoint (tokenizer_config.json's `chat_template`, or
+chat_template.jinja) and is rendered with jinja2 the way transformers renders it
+(`render_chat`); a checkpoint without one gets Qwen2.5-Instruct's. save() writes back the
+template it was loaded with, so a model trained here keeps its data's default system turn.
 
 How it maps to MARS (../shared/MARS_SPEC.md):
 - §2 `[MASK]` is a new token `<|mask|>` = the first id after the highest id the
-  checkpoint knows (151665 for Qwen2.5, whose last added token is
-  `<|file_sep|>` 151664). It is never parsed from text: the training and
-  decoding code writes `tok.mask_id` directly.
-- §2 rows are ChatML conversations (`render_chat`, `Tokenizer.encode_chat`);
-  the loss covers only the last assistant turn's content, its `<|im_end|>` and
-  the `\\n` after it (`Tokenizer.encode_chat_with_loss_mask`).
-- §2/§5 EOS is `<|im_end|>` (`tok.eos_id`); the pad token is `<|endoftext|>`.
+  checkpoint knows (151665 for Qwen2.5, whose last added token is `<|file_sep|>`
+  151664), unless the checkpoint's `mars.json` names another id (a converted SmolLM2
+  reuses a reserved token, see scripts/convert_gguf.py). A new `<|mask|>` is never
+  parsed from text: the training and decoding code writes `tok.mask_id` directly.
+- §2 rows are ChatML conversations (`Tokenizer.encode_chat`); the loss covers only the
+  last assistant turn's content, its `<|im_end|>` and the `\\n` after it
+  (`Tokenizer.encode_chat_with_loss_mask`), found in the rendered text of any
+  ChatML-style template.
+- §2/§5 EOS is `<|im_end|>` (`tok.eos_id`); the pad token is tokenizer_config.json's
+  `pad_token` (Qwen2.5: `<|endoftext|>`).
 
 Why tiktoken reproduces Hugging Face's BPE: HF merges the adjacent pair whose
 *merge line* in merges.txt comes first; tiktoken merges the adjacent pair whose
@@ -30,12 +41,19 @@ decoding only, so that HF and we both spell them out in pieces.
 import json
 import unicodedata
 from collections import Counter, defaultdict
+from datetime import datetime
+from functools import lru_cache
 from heapq import heapify, heappop, heappush
 from itertools import pairwise
 from pathlib import Path
 
+import jinja2
+import jinja2.ext
 import regex  # installed with tiktoken (which needs it); stdlib `re` has no \p{L}
 import tiktoken
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from util.atomic import write_text
 
 # Qwen2's pre-tokenizer: contractions, letter runs (one leading non-letter), single digits
 # (so numbers are spelled digit by digit), punctuation runs, newlines, other whitespace.
@@ -43,6 +61,12 @@ QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# GPT-2's regex (HF's ByteLevel pre-tokenizer with use_regex=true).
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2: Digits(individual_digits) splits every digit off, then GPT-2's regex runs on each
+# piece. As one regex: a digit is a chunk of its own, and a whitespace run ends where a piece
+# ends, i.e. also before a digit ("x  1" -> "x", "  ", "1", not "x", " ", " ", "1").
+DIGITS_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
 # Qwen2.5's 22 added tokens, ids 151643..151664 in this order. The first 14 are "special"
 # (skipped by decode(skip_special_tokens=True) in HF); the last 8 are plain added tokens.
@@ -191,70 +215,255 @@ def _live_merges(merges: list[tuple[bytes, bytes]]) -> dict[bytes, tuple[int, by
     return live
 
 
-def render_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """Qwen2.5-Instruct's ChatML template (no tools) as plain Python."""
-    messages = list(messages)
-    if not messages or messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": DEFAULT_SYSTEM_PROMPT})
+
+# ---------------------------------------------------------------- tokenizer.json components
+# The pre-tokenizers we run, as tokenizer.json spells them; each is one regex for tiktoken.
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+QWEN2_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated", "invert": False},
+    BYTE_LEVEL]}
+NFC = {"type": "NFC"}
+PLAIN_BPE = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
+QWEN25_SPECIAL_TOKENS = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+SUPPORTED = ("Split(Regex, Isolated) + ByteLevel(use_regex=false); Digits(individual_digits=true) + "
+             "ByteLevel(use_regex=true); ByteLevel(use_regex=true); all with add_prefix_space=false")
+
+
+def _describe(spec) -> str:
+    parts = spec.get("pretokenizers", [spec]) if spec else []
+    return " + ".join(json.dumps(p, sort_keys=True) for p in parts) or "null"
+
+
+def pattern_of(pre_tokenizer: dict | None, where: str) -> str:
+    """The tiktoken regex equal to a tokenizer.json `pre_tokenizer`; a clear error otherwise."""
+    steps = (pre_tokenizer or {}).get("pretokenizers", [pre_tokenizer])
+    kinds = [s.get("type") if isinstance(s, dict) else None for s in steps]
+    last = steps[-1] if kinds and kinds[-1] == "ByteLevel" else {}
+    ok = last and not last.get("add_prefix_space")
+    if ok and kinds == ["ByteLevel"] and last.get("use_regex", True):
+        return GPT2_PATTERN
+    first = steps[0]
+    if ok and kinds == ["Digits", "ByteLevel"] and first.get("individual_digits") and last.get("use_regex"):
+        return DIGITS_GPT2_PATTERN
+    if ok and kinds == ["Split", "ByteLevel"] and not last.get("use_regex", True):
+        isolated = first.get("behavior") == "Isolated" and not first.get("invert")
+        if "Regex" in first.get("pattern", {}) and isolated:
+            return first["pattern"]["Regex"]
+    raise ValueError(f"{where}: unsupported pre_tokenizer {_describe(pre_tokenizer)} "
+                     f"(supported: {SUPPORTED})")
+
+
+def normalizer_of(normalizer: dict | None, where: str) -> bool:
+    """True for NFC, False for none; a clear error for any other normaliser."""
+    steps = (normalizer or {}).get("normalizers", [normalizer] if normalizer else [])
+    kinds = [s.get("type") if isinstance(s, dict) else s for s in steps]
+    if kinds in ([], ["NFC"]):
+        return kinds == ["NFC"]
+    raise ValueError(f"{where}: unsupported normalizer {json.dumps(normalizer)} (only NFC or none)")
+
+
+def _check_bpe_model(model: dict, where: str):
+    """The BPE options under which HF's BPE is the plain byte-level merge loop we run."""
+    if model.get("type") != "BPE":
+        raise ValueError(f"{where}: unsupported model type {model.get('type')!r} (only BPE)")
+    for key in ("dropout", "byte_fallback", "ignore_merges", "continuing_subword_prefix",
+                "end_of_word_suffix"):
+        if model.get(key) not in (None, False, ""):  # absent, null, false, 0.0 or ""
+            raise ValueError(f"{where}: unsupported model.{key}={model[key]!r}")
+
+
+def _read_tokenizer_json(file: Path):
+    """tokenizer.json -> (vocab entries, merge pairs, added records, pre_tokenizer, normalizer,
+    unk_token), each component checked (a clear error names what is not supported)."""
+    spec = json.loads(file.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    _check_bpe_model(model, str(file))
+    post = spec.get("post_processor")
+    if post is not None and post.get("type") != "ByteLevel":
+        raise ValueError(f"{file}: unsupported post_processor {post.get('type')!r} (it would add "
+                         "tokens; only ByteLevel or none)")
+    pattern_of(spec.get("pre_tokenizer"), f"{file}")
+    normalizer_of(spec.get("normalizer"), f"{file}")
+    merges = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
+    records = [(file, rec["id"], rec) for rec in spec.get("added_tokens", [])]
+    return (model.get("vocab", {}), merges, records, spec.get("pre_tokenizer"), spec.get("normalizer"),
+            model.get("unk_token"))
+
+
+def _read_slow_files(path: Path):
+    """vocab.json + merges.txt -> (vocab entries, merge pairs); Qwen2's pre-tokenizer and NFC."""
+    vocab_file, merges_file = path / "vocab.json", path / "merges.txt"
+    for f in (vocab_file, merges_file):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a tokenizer needs tokenizer.json, or vocab.json "
+                                    "and merges.txt)")
+    merges = []
+    lines = merges_file.read_text(encoding="utf-8").split("\n")
+    for n, line in enumerate(lines, 1):
+        if line.startswith("#version") or (not line and n == len(lines)):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2 or not all(pair):
+            raise ValueError(f"{merges_file}: line {n} {line!r} is not two tokens")
+        merges.append((pair, f"{merges_file}: line {n} {line!r}"))
+    return json.loads(vocab_file.read_text(encoding="utf-8")), merges
+
+
+def _read_added(records) -> dict[int, dict]:
+    """id -> HF's added-token record, from every file that lists them (they must agree)."""
+    added = {}
+    for f, i, rec in records:
+        if any(rec.get(flag) for flag in ("lstrip", "rstrip", "single_word")):
+            raise ValueError(f"{f}: added token {rec['content']!r} sets lstrip, rstrip or "
+                             "single_word, which this tokenizer does not implement")
+        if i in added and added[i]["content"] != rec["content"]:
+            raise ValueError(f"{f}: id {i} is {rec['content']!r}, elsewhere {added[i]['content']!r}")
+        rec = {k: rec[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
+                                   "special") if k in rec}
+        added.setdefault(i, rec)
+    return added
+
+
+def _bpe_tables(entries: dict, merges, added: dict, vocab_where: str):
+    """Spelled vocab / merges -> (bytes -> id, [(bytes, bytes)]), added tokens left out."""
+    added_names = {rec["content"]: i for i, rec in added.items()}
+    vocab = {}
+    for name, i in entries.items():
+        if name in added_names:  # some files list added tokens in the vocab too
+            if added_names[name] != i:
+                raise ValueError(f"{vocab_where}: {name!r} has id {i}, but {added_names[name]} "
+                                 "as an added token")
+            continue
+        vocab[_to_bytes(name, f"{vocab_where}: entry")] = i
+    pairs = []
+    for pair, where in merges:
+        a, b = (_to_bytes(p, where) for p in pair)
+        if a not in vocab or b not in vocab or a + b not in vocab:
+            raise ValueError(f"{where} uses a token not in the vocabulary")
+        pairs.append((a, b))
+    return vocab, pairs
+
+
+def _token_name(value):
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(path: Path, config: dict):
+    """chat_template.jinja (transformers >= 4.43 saves it apart) or tokenizer_config's; else None."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+# ---------------------------------------------------------------- chat templates
+def chatml_template(default_system: str) -> str:
+    """Qwen2.5-Instruct's template with another default system turn (used when a conversation
+    brings none): a checkpoint should carry the system turn of the data it was trained on."""
+    literal = default_system.replace("\\", "\\\\").replace("'", "\\'")
+    return QWEN25_CHAT_TEMPLATE.replace(DEFAULT_SYSTEM_PROMPT, literal)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: no HTML escaping (jinja's own filter escapes < > &)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def compile_template(template: str) -> jinja2.Template:
+    """A chat template compiled as transformers compiles it (utils/chat_template_utils.py):
+    sandboxed, trim_blocks and lstrip_blocks, loop controls, and its tojson / raise_exception /
+    strftime_now. (Its {% generation %} tag, used only for assistant masks, is not provided.)"""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = False,
+                template: str = QWEN25_CHAT_TEMPLATE, special_tokens: dict | None = None) -> str:
+    """A conversation of system / user / assistant turns rendered by a chat template
+    (default: Qwen2.5-Instruct's), with the special-token names transformers passes."""
     for m in messages:
         if m["role"] not in ("system", "user", "assistant") or m.get("tool_calls"):
             raise ValueError(f"render_chat: role {m['role']!r} / tool calls are not supported")
         if not isinstance(m["content"], str):
             raise TypeError(f"render_chat: a {m['role']} message's content is not a string")
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    if not messages:
+        raise ValueError("render_chat: no messages")
+    return compile_template(template).render(messages=list(messages), tools=None, documents=None,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **(special_tokens or {}))
 
 
+# ---------------------------------------------------------------- the tokenizer
 class Tokenizer:
-    """A Qwen2-style tokenizer. Build it with `Tokenizer.from_dir` or `train_bpe`."""
+    """A byte-level BPE tokenizer. Build it with `Tokenizer.from_dir` or `train_bpe`."""
 
-    render_chat = staticmethod(render_chat)
-
-    def __init__(
-        self,
-        vocab: dict[bytes, int],
-        merges: list[tuple[bytes, bytes]],
-        added_tokens: dict[int, dict],
-        source: str = "<memory>",
-    ):
-        # vocab: the BPE tokens (bytes -> id); merges: merges.txt in order; added_tokens: id ->
-        # HF's record {"content", "special", ...}, kept as read so save() writes it back.
+    def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]],
+                 added_tokens: dict[int, dict], source: str = "<memory>", *,
+                 pre_tokenizer: dict | None = QWEN2_PRE_TOKENIZER, normalizer: dict | None = NFC,
+                 chat_template: str | None = None, special_tokens: dict | None = None,
+                 mask_id: int | None = None, merges_source: str | None = None):
+        # vocab: the BPE tokens (bytes -> id); merges: in order; added_tokens: id -> HF's record
+        # {"content", "special", ...}; pre_tokenizer / normalizer: tokenizer.json's specs;
+        # special_tokens: tokenizer_config's names (bos_token, eos_token, pad_token, unk_token).
+        # All kept as read, so save() writes them back.
         self.vocab, self.merges, self.added_tokens = dict(vocab), list(merges), dict(added_tokens)
+        self.pre_tokenizer, self.normalizer = pre_tokenizer, normalizer
+        self.chat_template = chat_template or QWEN25_CHAT_TEMPLATE
+        self.special_tokens = dict(special_tokens or QWEN25_SPECIAL_TOKENS)
+        self._nfc = normalizer_of(normalizer, source)
+        self._set_named_ids(source, mask_id)
+        self._build_encoder(pattern_of(pre_tokenizer, source), merges_source or source)
+
+    def _set_named_ids(self, source, mask_id):
         self.added_ids = {rec["content"]: i for i, rec in self.added_tokens.items()}
         for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
             if name not in self.added_ids:
-                raise ValueError(f"{source}: added token {name} is missing (a Qwen2.5 tokenizer)")
+                raise ValueError(f"{source}: added token {name} is missing (a ChatML tokenizer)")
         self.endoftext_id = self.added_ids["<|endoftext|>"]
-        self.pad_id = self.endoftext_id  # Qwen2.5 pads with <|endoftext|>
+        pad = self.special_tokens.get("pad_token")
+        self.pad_id = self.added_ids.get(pad, self.endoftext_id)  # Qwen2.5 pads with <|endoftext|>
         self.im_start_id = self.added_ids["<|im_start|>"]
         self.eos_id = self.added_ids["<|im_end|>"]  # end of an assistant turn (MARS §2, §5)
         existing = [*self.vocab.values(), *self.added_tokens]
-        self.mask_id = self.added_ids.get(MASK_TOKEN, max(existing) + 1)
+        self.mask_id = mask_id if mask_id is not None else self.added_ids.get(MASK_TOKEN, max(existing) + 1)
         self.vocab_size = max(*existing, self.mask_id) + 1  # rows an embedding table needs
-
-        # Every id decodes through one table; added tokens (and <|mask|>) to their text.
+        # Every id decodes through one table; added tokens (and a new <|mask|>) to their text.
         self._id_to_bytes = {i: t for t, i in self.vocab.items()}
         self._id_to_bytes |= {i: rec["content"].encode() for i, rec in self.added_tokens.items()}
         self._id_to_bytes.setdefault(self.mask_id, MASK_TOKEN.encode())
 
+    def _build_encoder(self, pattern, source):
         # Tiktoken ranks: the line of each buildable token's live merge (see the docstring).
         try:
             live = _live_merges(self.merges)
         except ValueError as e:
-            raise ValueError(f"{source}/merges.txt: {e}") from None
+            raise ValueError(f"{source}: {e}") from None
+        singles = [bytes([b]) for b in range(256) if bytes([b]) in self.vocab]
         by_line = sorted((t for t in live if len(t) > 1), key=lambda t: live[t][0])
-        multi_ids = [self.vocab[t] for t in by_line]
-        if all(a < b for a, b in pairwise(multi_ids)):
-            # Usual case (Qwen2.5, train_bpe, HF's trainer): ids already follow merge order.
-            ranks = {t: self.vocab[t] for t in by_line}
-            ranks |= {bytes([b]): self.vocab[bytes([b])] for b in range(256)}
-            self._rank_to_id = None
+        if all(a < b for a, b in pairwise(self.vocab[t] for t in by_line)):
+            # Usual case (Qwen2.5, SmolLM2, train_bpe, HF's trainer): ids follow merge order.
+            ranks, self._rank_to_id = {t: self.vocab[t] for t in singles + by_line}, None
         else:
-            ranks = {bytes([b]): b for b in range(256)}
-            ranks |= {t: 256 + n for n, t in enumerate(by_line)}
+            ranks = {t: n for n, t in enumerate(singles + by_line)}
             self._rank_to_id = [self.vocab[t] for t in ranks]
-        self._enc = tiktoken.Encoding("qwen2", pat_str=QWEN2_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={})
+        self._enc = tiktoken.Encoding("bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+        # Bytes without a token (SmolLM2 has none for 21 bytes): HF's BPE drops them from the
+        # chunk and merges across the gap; such text takes the slow path in _encode_text.
+        self._missing = bytes(b for b in range(256) if bytes([b]) not in self.vocab)
+        self._split = regex.compile(pattern)
         # Added tokens are found in raw text before normalisation, longest first (as HF does).
         names = sorted(self.added_ids, key=len, reverse=True)
         self._added_re = regex.compile("(" + "|".join(map(regex.escape, names)) + ")")
@@ -263,89 +472,63 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
-        """Read vocab.json, merges.txt and the added tokens (tokenizer_config.json's
-        `added_tokens_decoder` and/or tokenizer.json's `added_tokens`)."""
+        """Read tokenizer.json (preferred) or vocab.json + merges.txt, the added tokens
+        (tokenizer_config.json's `added_tokens_decoder` and/or tokenizer.json's), the chat
+        template and special tokens, and mars.json's `mask_id` when the directory has one."""
         path = Path(path)
-        vocab_file, merges_file = path / "vocab.json", path / "merges.txt"
-        for f in (vocab_file, merges_file):
-            if not f.is_file():
-                raise FileNotFoundError(f"{f}: missing (a Qwen2 tokenizer needs vocab.json and "
-                                        "merges.txt)")
-
-        added = {}  # id -> record
         config_file, fast_file = path / "tokenizer_config.json", path / "tokenizer.json"
-        records = []
-        if config_file.is_file():
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-            records += [(config_file, int(i), rec)
-                        for i, rec in config.get("added_tokens_decoder", {}).items()]
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        records = [(config_file, int(i), rec) for i, rec in config.get("added_tokens_decoder", {}).items()]
+        spec = dict(pre_tokenizer=QWEN2_PRE_TOKENIZER, normalizer=NFC)
         if fast_file.is_file():
-            fast = json.loads(fast_file.read_text(encoding="utf-8")).get("added_tokens", [])
-            records += [(fast_file, rec["id"], rec) for rec in fast]
-        for f, i, rec in records:
-            if any(rec.get(flag) for flag in ("lstrip", "rstrip", "single_word")):
-                raise ValueError(f"{f}: added token {rec['content']!r} sets lstrip, rstrip or "
-                                 "single_word, which this tokenizer does not implement")
-            if i in added and added[i]["content"] != rec["content"]:
-                raise ValueError(f"{f}: id {i} is {rec['content']!r}, elsewhere "
-                                 f"{added[i]['content']!r}")
-            rec = {k: rec[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
-                                       "special") if k in rec}
-            added.setdefault(i, rec)
-        added_names = {rec["content"]: i for i, rec in added.items()}
-
-        vocab = {}
-        for name, i in json.loads(vocab_file.read_text(encoding="utf-8")).items():
-            if name in added_names:  # some files list added tokens in vocab.json too
-                if added_names[name] != i:
-                    raise ValueError(f"{vocab_file}: {name!r} has id {i}, but {added_names[name]} "
-                                     "as an added token")
-                continue
-            vocab[_to_bytes(name, f"{vocab_file}: entry")] = i
+            entries, pairs, fast_records, spec["pre_tokenizer"], spec["normalizer"], unk = \
+                _read_tokenizer_json(fast_file)
+            records += fast_records
+            merges, where = [(p, f"{fast_file}: merge {' '.join(p)!r}") for p in pairs], fast_file
+        else:
+            (entries, merges), unk, where = _read_slow_files(path), None, path / "vocab.json"
+        added = _read_added(records)
+        vocab, merge_pairs = _bpe_tables(entries, merges, added, str(where))
         missing = [b for b in range(256) if bytes([b]) not in vocab]
-        if missing:
-            raise ValueError(f"{vocab_file}: no token for byte(s) {missing[:8]} (byte-level BPE)")
-
-        merges = []
-        lines = merges_file.read_text(encoding="utf-8").split("\n")
-        for n, line in enumerate(lines, 1):
-            if line.startswith("#version") or (not line and n == len(lines)):
-                continue
-            pair = line.split(" ")
-            if len(pair) != 2 or not all(pair):
-                raise ValueError(f"{merges_file}: line {n} {line!r} is not two tokens")
-            a, b = (_to_bytes(p, f"{merges_file}: line {n}") for p in pair)
-            if a not in vocab or b not in vocab or a + b not in vocab:
-                raise ValueError(f"{merges_file}: line {n} {line!r} uses a token not in vocab.json")
-            merges.append((a, b))
-        return cls(vocab, merges, added, source=str(path))
+        if missing and unk is not None:
+            raise ValueError(f"{where}: no token for byte(s) {missing[:8]} and unk_token {unk!r} set "
+                             "(HF would emit unk; only vocabularies without unk_token are supported)")
+        special = {k: _token_name(config[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                   if config.get(k) is not None}
+        mars = path / "mars.json"
+        mask_id = json.loads(mars.read_text()).get("mask_id") if mars.is_file() else None
+        return cls(vocab, merge_pairs, added, source=str(path), chat_template=_chat_template(path, config),
+                   special_tokens=special or None, mask_id=mask_id,
+                   merges_source=str(fast_file if fast_file.is_file() else path / "merges.txt"), **spec)
 
     def save(self, path) -> None:
-        """Write vocab.json, merges.txt and tokenizer_config.json (Qwen2Tokenizer, the added
-        tokens as read, Qwen2.5-Instruct's chat template). `<|mask|>` is not written: it is
-        derived again on load, and a checkpoint's files stay exactly as Qwen ships them."""
+        """Write tokenizer.json (HF `tokenizers`' file, with our pre-tokenizer and normaliser) and
+        tokenizer_config.json (the added tokens, the special tokens and the chat template as
+        read); with Qwen2's pre-tokenizer also vocab.json + merges.txt (Qwen2Tokenizer's files).
+        A new `<|mask|>` is not written: it is derived again on load (a reused one lives in
+        mars.json, which the checkpoint writer owns)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         vocab = {_to_str(t): i for t, i in sorted(self.vocab.items(), key=lambda kv: kv[1])}
-        (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-        merges = "".join(f"{_to_str(a)} {_to_str(b)}\n" for a, b in self.merges)
-        (path / "merges.txt").write_text("#version: 0.2\n" + merges, encoding="utf-8")
-        config = {
-            "add_prefix_space": False,
-            "added_tokens_decoder": {str(i): rec for i, rec in sorted(self.added_tokens.items())},
-            "bos_token": None,
-            "chat_template": QWEN25_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>",
-            "errors": "replace",
-            "model_max_length": 32768,
-            "pad_token": "<|endoftext|>",
-            "split_special_tokens": False,
-            "tokenizer_class": "Qwen2Tokenizer",
-            "unk_token": None,
-        }
-        config = json.dumps(config, indent=2, ensure_ascii=False)
-        (path / "tokenizer_config.json").write_text(config, encoding="utf-8")
+        merges = [[_to_str(a), _to_str(b)] for a, b in self.merges]
+        qwen2 = self.pre_tokenizer == QWEN2_PRE_TOKENIZER and self._nfc
+        if qwen2:
+            write_text(path / "vocab.json", json.dumps(vocab, ensure_ascii=False))
+            write_text(path / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+        added = [{"id": i} | rec for i, rec in sorted(self.added_tokens.items())]
+        model = PLAIN_BPE | {"vocab": vocab, "merges": merges}
+        fast = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+                "normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer,
+                "post_processor": BYTE_LEVEL, "decoder": BYTE_LEVEL, "model": model}
+        write_text(path / "tokenizer.json", json.dumps(fast, ensure_ascii=False))
+        config = {"add_prefix_space": False,
+                  "added_tokens_decoder": {str(i): rec for i, rec in sorted(self.added_tokens.items())},
+                  "bos_token": None, "chat_template": self.chat_template,
+                  "clean_up_tokenization_spaces": False,
+                  "errors": "replace", "model_max_length": 32768, "split_special_tokens": False,
+                  "tokenizer_class": "Qwen2Tokenizer" if qwen2 else "PreTrainedTokenizerFast",
+                  "unk_token": None} | self.special_tokens
+        write_text(path / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
 
     # ---- text <-> ids ----
 
@@ -358,9 +541,24 @@ class Tokenizer:
             if n % 2:  # the split's captured group: an added token
                 ids.append(self.added_ids[piece])
             elif piece:
-                ranks = self._enc.encode_ordinary(unicodedata.normalize("NFC", piece))
+                ranks = self._encode_text(unicodedata.normalize("NFC", piece) if self._nfc else piece)
                 ids += ranks if self._rank_to_id is None else [self._rank_to_id[r] for r in ranks]
         return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Ranks of text without added tokens. Text with a byte the vocabulary lacks is split
+        here and the byte dropped from its chunk before BPE, as HF's BPE drops it."""
+        if not self._missing:
+            return self._enc.encode_ordinary(text)
+        raw = text.encode("utf-8", errors="surrogatepass")
+        if len(raw.translate(None, self._missing)) == len(raw):
+            return self._enc.encode_ordinary(text)
+        ranks = []
+        for chunk in self._split.findall(text):
+            kept = chunk.encode("utf-8", errors="surrogatepass").translate(None, self._missing)
+            if kept:
+                ranks += self._enc._encode_single_piece(kept)
+        return ranks
 
     def decode_bytes(self, ids) -> bytes:
         return b"".join(self._id_to_bytes[int(i)] for i in ids)
@@ -368,26 +566,36 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    # ---- ChatML (MARS §2) ----
+    # ---- chat (MARS §2) ----
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, through this checkpoint's chat template."""
+        return render_chat(messages, add_generation_prompt, self.chat_template, self.special_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
         """Ids of the templated conversation; equals HF's apply_chat_template(tokenize=True)."""
-        return self.encode(render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt))
 
     def encode_chat_with_loss_mask(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         """Ids of the templated conversation and, per id, whether it carries loss (MARS §2):
         the last assistant turn's content, its `<|im_end|>` and the `\\n` after it.
 
-        The whole string is tokenised at once (as HF does) and the span found by byte offsets:
-        tokenising prompt and answer apart can differ, e.g. "assistant\\n" + "\\nHi" makes one
-        "\\n\\n" token. A token that straddles the start of the answer carries loss.
+        The span is found in the rendered text of any ChatML-style template: the last
+        "<|im_start|>assistant\\n" + content + "<|im_end|>\\n". The whole string is tokenised at
+        once (as HF does) and the span found by byte offsets: tokenising prompt and answer
+        apart can differ, e.g. "assistant\\n" + "\\nHi" makes one "\\n\\n" token. A token that
+        straddles the start of the answer carries loss.
         """
         last = max((n for n, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             raise ValueError("encode_chat_with_loss_mask: the conversation has no assistant turn")
-        text = render_chat(messages)
-        start = len(render_chat(messages[:last], add_generation_prompt=True))
-        end = start + len(messages[last]["content"] + "<|im_end|>\n")
+        text = self.render_chat(messages)
+        header, answer = "<|im_start|>assistant\n", messages[last]["content"] + "<|im_end|>\n"
+        at = text.rfind(header + answer)
+        if at < 0:
+            raise ValueError("encode_chat_with_loss_mask: the chat template does not render the last "
+                             "assistant turn ChatML-style (<|im_start|>assistant\\n...<|im_end|>\\n)")
+        start, end = at + len(header), at + len(header) + len(answer)
         ids = self.encode(text)
         # Byte offsets in the (normalised) token stream; the cuts sit next to "\n" or an added
         # token, so NFC cannot move text across them.
@@ -401,24 +609,36 @@ class Tokenizer:
         return ids, mask
 
 
-def train_bpe(texts, n_merges: int, added_tokens=QWEN25_ADDED_TOKENS) -> Tokenizer:
-    """Train a byte-level BPE with Qwen2's pre-tokenizer (for the tiny default model).
-
-    Ids: the 256 bytes (in byte order), then one token per merge, then `added_tokens`
-    (Qwen2.5's 22, in Qwen2.5's order), then `<|mask|>`. Each step merges the most frequent
-    adjacent pair (ties: smallest ids), everywhere, left to right, exactly as HF's BPE will
-    apply it later; this is what makes the saved files give the same ids in HF. Training
-    stops early once every word is a single token.
-    """
+# ---------------------------------------------------------------- training (the tiny default)
+def _count_words(texts, added_tokens) -> Counter:
+    """Pre-tokenised chunks (Qwen2's regex, NFC) and their counts; added tokens are never learned."""
     split_added = regex.compile("(" + "|".join(map(regex.escape, added_tokens)) + ")")
     pretokenize = regex.compile(QWEN2_PATTERN)
     counts = Counter()
-    for text in texts:  # words = pre-tokenised chunks; added tokens are never learned
+    for text in texts:
         for piece in split_added.split(text)[::2]:
             counts.update(pretokenize.findall(unicodedata.normalize("NFC", piece)))
+    return counts
+
+
+def _merge_word(old, a, b, new):
+    """Replace every (a, b) in `old` by `new`, left to right, non-overlapping (as HF's merge does)."""
+    merged, i = [], 0
+    while i < len(old):
+        if i + 1 < len(old) and old[i] == a and old[i + 1] == b:
+            merged.append(new)
+            i += 2
+        else:
+            merged.append(old[i])
+            i += 1
+    return merged
+
+
+def _learn_merges(counts: Counter, n_merges: int) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
+    """(tokens in id order: the 256 bytes, then one per merge; the merges, in order). Each step
+    merges the most frequent adjacent pair of the words, weighted by their counts."""
     words = [list(w.encode()) for w in counts]  # each word as a list of token ids
     freq = list(counts.values())
-
     pair_count = Counter()
     where = defaultdict(set)  # pair -> words that (may) contain it
     for w, (word, f) in enumerate(zip(words, freq)):
@@ -427,43 +647,46 @@ def train_bpe(texts, n_merges: int, added_tokens=QWEN25_ADDED_TOKENS) -> Tokeniz
             where[pair].add(w)
     heap = [(-c, pair) for pair, c in pair_count.items()]  # lazily updated max-heap
     heapify(heap)
-
-    token = [bytes([b]) for b in range(256)]
-    merges = []
+    token, merges = [bytes([b]) for b in range(256)], []
     while len(merges) < n_merges and heap:
         c, pair = heappop(heap)
         if -c != pair_count[pair] or c == 0:
             continue  # stale entry
         a, b = pair
-        new = len(token)
         token.append(token[a] + token[b])
         merges.append((token[a], token[b]))
         touched = set()
         for w in where.pop(pair):
             old, f = words[w], freq[w]
-            merged, i = [], 0
-            while i < len(old):  # left to right, non-overlapping (as HF's merge does)
-                if i + 1 < len(old) and old[i] == a and old[i + 1] == b:
-                    merged.append(new)
-                    i += 2
-                else:
-                    merged.append(old[i])
-                    i += 1
+            words[w] = _merge_word(old, a, b, len(token) - 1)
             for p in pairwise(old):
                 pair_count[p] -= f
                 touched.add(p)
-            for p in pairwise(merged):
+            for p in pairwise(words[w]):
                 pair_count[p] += f
                 where[p].add(w)
                 touched.add(p)
-            words[w] = merged
         for p in touched:
             if pair_count[p] > 0:
                 heappush(heap, (-pair_count[p], p))
+    return token, merges
 
+
+def train_bpe(texts, n_merges: int, added_tokens=QWEN25_ADDED_TOKENS,
+              chat_template: str = QWEN25_CHAT_TEMPLATE) -> Tokenizer:
+    """Train a byte-level BPE with Qwen2's pre-tokenizer (for the tiny default model).
+
+    Ids: the 256 bytes (in byte order), then one token per merge, then `added_tokens`
+    (Qwen2.5's 22, in Qwen2.5's order), then `<|mask|>`. Each step merges the most frequent
+    adjacent pair (ties: smallest ids), everywhere, left to right, exactly as HF's BPE will
+    apply it later; this is what makes the saved files give the same ids in HF. Training
+    stops early once every word is a single token. `chat_template` is what save() writes:
+    give the one whose default system turn the training data uses (`chatml_template`).
+    """
+    token, merges = _learn_merges(_count_words(texts, added_tokens), n_merges)
     vocab = {t: i for i, t in enumerate(token)}
     added = {len(token) + n: {"content": name, "lstrip": False, "normalized": False,
                               "rstrip": False, "single_word": False,
                               "special": name not in QWEN25_ADDED_TOKENS[QWEN25_N_SPECIAL:]}
              for n, name in enumerate(added_tokens)}
-    return Tokenizer(vocab, merges, added, source="train_bpe")
+    return Tokenizer(vocab, merges, added, source="train_bpe", chat_template=chat_template)

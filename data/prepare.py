@@ -5,9 +5,10 @@
 
 Each input line is one conversation, `{"messages": [{"role": ..., "content": ...}, ...]}`
 (the paper used allenai/Dolci-Instruct-SFT; any file of that shape works; other keys
-are ignored). A row is tokenised with `tok.encode_chat_with_loss_mask`: the ChatML
-conversation, with loss only on the LAST assistant turn's content, its `<|im_end|>`
-and the `\n` after it (§2). Block padding with EOS and batch padding happen later,
+are ignored). A row is tokenised with `tok.encode_chat_with_loss_mask`: the conversation
+rendered by the tokenizer directory's chat template (any ChatML-style one; Qwen2.5's when
+the directory has none), with loss only on the LAST assistant turn's content, its
+`<|im_end|>` and the `\n` after it (§2). Block padding with EOS and batch padding happen later,
 in train.py (mars.pad_row / mars.collate), so one file serves every block size B.
 
 Output (np.savez, no pickled objects; read with `load_npz`):
@@ -135,13 +136,12 @@ def summary(stats, source="input"):
 
 def save_npz(arrays, path):
     """Write the arrays to `path` atomically (a temp file in the same directory, then rename)."""
+    from util.atomic import atomic_write  # here: `python data/prepare.py` puts the repo on the path in main
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz" to the name
-        np.savez(f, ids=arrays["ids"], loss=arrays["loss"], offsets=arrays["offsets"])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # numpy gets a file object, so it does not append ".npz" to the temp file's name
+    arrays = {k: arrays[k] for k in ("ids", "loss", "offsets")}
+    atomic_write(path, lambda f: np.savez(f, **arrays), mode="wb")
 
 
 def load_npz(path):
@@ -181,7 +181,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--input", required=True, help="JSONL file, one {'messages': [...]} per line")
-    ap.add_argument("--tokenizer", required=True, help="tokenizer dir (vocab.json, merges.txt, ...)")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer dir (tokenizer.json or vocab.json + "
+                    "merges.txt, tokenizer_config.json)")
     ap.add_argument("--out", required=True, help="output .npz path")
     ap.add_argument("--max-len", type=int, default=512, help="skip rows longer than this (tokens)")
     ap.add_argument("--max-prompt-len", type=int, default=None, help="skip rows with a longer prompt")

@@ -141,11 +141,9 @@ def is_correct(problem, completion_text):
 
 
 def write_jsonl(rows, path):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    from util.atomic import write_text  # here: `python data/synthetic.py` puts the repo on the path first
+
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def read_jsonl(path):
@@ -153,12 +151,19 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+# The default system turn of the data's chat template (a prompt sent without one, as
+# `generate.py --prompt` sends it, gets this one): one the model saw in training, not
+# Qwen2.5's "You are Qwen, ...", which the data never contains.
+DEFAULT_SYSTEM = SYSTEMS[0]
+
+
 def build_default(out_dir, seed=0, sizes=None, n_merges=400):
     """Everything `python train.py` needs: JSONL splits, the default tokenizer (BPE
-    trained on the train split, Qwen2's regex so digits stay single tokens), and the
-    tokenised train/val .npz files."""
+    trained on the train split, Qwen2's regex so digits stay single tokens, a ChatML
+    template whose default system turn is DEFAULT_SYSTEM), and the tokenised train/val
+    .npz files."""
     from data.prepare import prepare, save_npz
-    from tokenizer import Tokenizer, render_chat, train_bpe
+    from tokenizer import Tokenizer, chatml_template, render_chat, train_bpe
 
     sizes = sizes or {"train": 40000, "val": 400, "test": 400}
     os.makedirs(out_dir, exist_ok=True)
@@ -168,7 +173,7 @@ def build_default(out_dir, seed=0, sizes=None, n_merges=400):
     tok_dir = os.path.join(out_dir, "tokenizer")
     sample = splits["train"][:5000]
     texts = [render_chat(p["messages"]) for p in sample]
-    train_bpe(texts, n_merges).save(tok_dir)
+    train_bpe(texts, n_merges, chat_template=chatml_template(DEFAULT_SYSTEM)).save(tok_dir)
     tok = Tokenizer.from_dir(tok_dir)
     for name in ("train", "val"):
         arrays, stats = prepare(splits[name], tok, max_len=512)

@@ -310,6 +310,69 @@ def test_kv_cache_ragged_rows_equal_rows_alone(tmp_path):
         assert (step_logits[b] - ref).abs().max().item() <= ATOL
 
 
+# ------------------------------------------- Llama and the authors' MARS release load too
+
+def make_llama(path, seed=0, **overrides):
+    """A tiny random HF LlamaForCausalLM (no biases, random norm weights), saved to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.15,
+               attn_implementation="eager") | overrides
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    g = torch.Generator().manual_seed(2000 + seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+    hf.save_pretrained(str(path))
+    return hf
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_logits_equal_hf_and_save_back_as_llama(tmp_path, tied):
+    """Llama = Qwen2 without q/k/v biases: built with no bias tensor at all, so the model has
+    exactly the checkpoint's parameters, and what we save is a llama checkpoint again."""
+    from transformers import AutoModelForCausalLM
+
+    hf = make_llama(tmp_path / "src", tie_word_embeddings=tied)
+    model = Qwen2.from_pretrained(str(tmp_path / "src"))
+    assert not model.config.attention_bias and model.model.layers[0].self_attn.q_proj.bias is None
+    assert set(model.state_dict()) | {"lm_head.weight"} == set(hf.state_dict()) | {"lm_head.weight"}
+    idx = rand_ids((2, 40), seed=11)
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert_order_one(ref)
+        assert (model(idx) - ref).abs().max().item() <= ATOL
+    model.save_pretrained(str(tmp_path / "ours"))
+    back, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), attn_implementation="eager",
+                                                      output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(back).__name__ == "LlamaForCausalLM" and back.config.tie_word_embeddings == tied
+    with torch.no_grad():
+        assert torch.equal(back.eval()(idx).logits, ref)
+
+
+def test_authors_a2d_qwen2_release_loads_as_qwen2(tmp_path):
+    """The released MARS checkpoints (Xalphinions/MARS-Qwen2.5-*) are HF Qwen2 weights whose
+    config.json says model_type "a2d-qwen2" (the dllm converter's name, with its extra keys),
+    and which store the tied head as well."""
+    hf = make_ref(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d.update(model_type="a2d-qwen2", architectures=["A2DQwen2LMHeadModel"], mask_token_id=255,
+             use_mrope=False, layer_types=["full_attention"] * d["num_hidden_layers"])
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    rewrite_weights(tmp_path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
+    model = Qwen2.from_pretrained(str(tmp_path))
+    assert model.config.attention_bias and model.lm_head.weight is model.model.embed_tokens.weight
+    idx = rand_ids((2, 40), seed=12)
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert (model(idx) - ref).abs().max().item() <= ATOL
+
+
 # ------------------------------------------------- save -> transformers, load -> no copy
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -502,10 +565,32 @@ def test_unexpected_key(ckpt):
 
 def test_unsupported_model_type(ckpt):
     d = json.loads((ckpt / "config.json").read_text())
+    d["model_type"] = "mistral"
+    (ckpt / "config.json").write_text(json.dumps(d))
+    with raises_naming(ValueError, ckpt / "config.json", "model_type", "mistral", "unsupported"):
+        Qwen2.from_pretrained(str(ckpt))
+
+
+def test_qwen2_weights_labelled_llama_name_the_bias(ckpt):
+    """A llama config.json means no q/k/v biases: a stored bias is an unexpected key."""
+    d = json.loads((ckpt / "config.json").read_text())
     d["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(d))
-    with raises_naming(ValueError, ckpt / "config.json", "model_type", "llama", "unsupported"):
+    with raises_naming(KeyError, ckpt / "model.safetensors", "unexpected key", "_proj.bias"):
         Qwen2.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("key, value", [("attention_bias", True), ("mlp_bias", True),
+                                        ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+                                        ("hidden_act", "gelu"), ("pretraining_tp", 2)])
+def test_unsupported_llama_settings_are_named(tmp_path, key, value):
+    make_llama(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d.pop("rope_parameters", None)
+    d[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with raises_naming(ValueError, tmp_path / "config.json", key if key != "rope_scaling" else "rope"):
+        Qwen2.from_pretrained(str(tmp_path))
 
 
 def test_config_missing_required_key(ckpt):

@@ -19,7 +19,7 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, tra
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
-from tokenizer import Tokenizer, render_chat, train_bpe
+from tokenizer import Tokenizer, chatml_template, render_chat, train_bpe
 
 QWEN2_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -378,3 +378,73 @@ def test_train_bpe_first_merge_is_most_frequent_pair():
                 pairs[p] = pairs.get(p, 0) + 1
     best = max(pairs.items(), key=lambda kv: (kv[1], -kv[0][0], -kv[0][1]))[0]
     assert train_bpe(texts, n_merges=1).merges == [(bytes([best[0]]), bytes([best[1]]))]
+
+
+# ---- chat templates from the checkpoint, tokenizer.json ----
+
+# A template that depends on how it is compiled: block tags on their own lines (trim_blocks,
+# lstrip_blocks), transformers' tojson (no HTML escaping), raise_exception, and a
+# loop control; its default system turn is its own.
+ODD_TEMPLATE = """{% if messages[0]['role'] != 'system' %}
+<|im_start|>system
+Be {{ "<terse> & kind" | tojson }}.<|im_end|>
+{% endif %}
+{% for m in messages %}
+    {% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% if loop.index > 8 %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def test_checkpoint_chat_template_renders_as_in_transformers(hf_dir, tmp_path):
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ODD_TEMPLATE
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_dir(tmp_path)
+    for messages in CONVERSATIONS:
+        for gen in (False, True):
+            ref = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.render_chat(messages, add_generation_prompt=gen) == ref
+            assert ours.encode_chat(messages, add_generation_prompt=gen) == hf.encode(ref)
+    assert ours.render_chat(CONVERSATIONS[0]).startswith('<|im_start|>system\nBe "<terse> & kind".')
+    # the loss span is found in this template's text too (MARS §2)
+    ids, mask = ours.encode_chat_with_loss_mask(CONVERSATIONS[2])
+    assert ours.decode([i for i, m in zip(ids, mask) if m]) == CODE + "<|im_end|>\n"
+
+
+def test_data_tokenizer_keeps_its_default_system_turn(tmp_path):
+    """Our default data's tokenizer carries a ChatML template whose default system turn is the
+    data's own, and save() writes the template it was loaded with (train.py re-saves it)."""
+    from data.synthetic import DEFAULT_SYSTEM, SYSTEMS
+
+    assert DEFAULT_SYSTEM in SYSTEMS
+    tok = train_bpe(corpus(4, 50), n_merges=50, chat_template=chatml_template(DEFAULT_SYSTEM))
+    tok.save(tmp_path / "a")
+    Tokenizer.from_dir(tmp_path / "a").save(tmp_path / "b")  # loaded and saved again, as train.py does
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path / "b"), Tokenizer.from_dir(tmp_path / "b")
+    question = [{"role": "user", "content": "Compute 3 + 4 + 8."}]
+    text = ours.render_chat(question, add_generation_prompt=True)
+    assert text == f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nCompute 3 + 4 + 8." \
+                   "<|im_end|>\n<|im_start|>assistant\n"
+    assert hf.apply_chat_template(question, tokenize=False, add_generation_prompt=True) == text
+    for messages in CONVERSATIONS:
+        ref = hf.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert ours.encode_chat(messages) == ref
+
+
+def test_saved_tokenizer_json_alone_equals_hf_tokenizers(tok, tmp_path):
+    """save() writes tokenizer.json; a directory with only that file (no vocab.json / merges.txt)
+    loads, and gives HF `tokenizers`' ids for the same file."""
+    tok.save(tmp_path)
+    for name in ("vocab.json", "merges.txt"):
+        (tmp_path / name).unlink()
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ours = Tokenizer.from_dir(tmp_path)
+    for s in MIXED:
+        assert ours.encode(s) == hf.encode(s, add_special_tokens=False).ids == tok.encode(s), repr(s)
