@@ -8,6 +8,13 @@ while their softmax probability is >= τ (`accept`). τ = 1 is plain greedy AR;
 lower τ trades accuracy for tokens per forward. τ is read before every step from
 a `decoding.Knob`, so it can change between steps while the model stays loaded.
 
+Sampling (issue 13; sampling.py): with `sampling=Sampling(temperature=T, top_k, top_p,
+seed, accept_metric)` each candidate c_j is drawn from its position's processed
+distribution, and τ is compared with the raw fp32 softmax of the logits at c_j (or with
+the entropy / margin of that distribution: sampling.confidence), as in the authors'
+sampler. τ = 1 is then plain AR sampling, token for token the AR sampler's under the same
+generators. Temperature 0, the default, is the greedy rule above, unchanged.
+
 Three loops produce the same tokens (the tests prove it):
   nocache_steps  the paper's loop: recompute [prefix | B masks] from scratch every step.
   window_steps   (§6 sliding window) forward [tokens accepted last step | B masks]
@@ -38,6 +45,7 @@ from decoding import (
     Knob,
     Rows,
     Step,
+    ar_only,
     candidates,
     check_request,
     check_tau,
@@ -45,31 +53,37 @@ from decoding import (
     leading_run,
     logits_at,
     pad_rows,
+    rows_of,
+    streams,
 )
 from exact import check_exact, exact_steps
 from kvcache import KVCache
+from sampling import GREEDY, METRICS, Sampling, confident
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
 
 
 # ---------------------------------------------------------------- the acceptance rule (§5)
-def accept(probs, tau):
+def accept(conf, tau, metric="probability"):
     """The acceptance rule (§5.4-5): how many leading candidates each row keeps, (N,).
 
-    c_0 is always accepted; then c_1, c_2, ... while p_j >= τ, stopping at the first
-    failure. τ >= 1 accepts only c_0 (fp32 probabilities can round to exactly 1.0)."""
-    if tau >= 1:
-        return torch.ones(probs.shape[0], dtype=torch.long, device=probs.device)
-    return 1 + leading_run(probs[:, 1:] >= tau)  # (N,)
+    c_0 is always accepted; then c_1, c_2, ... while p_j >= τ (conf: the candidates'
+    confidences, sampling.confidence; entropy: while H_j <= τ), stopping at the first
+    failure. AR mode (decoding.ar_only: τ >= 1, for entropy τ = 0) accepts only c_0."""
+    if ar_only(tau, metric):
+        return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
+    return 1 + leading_run(confident(conf[:, 1:], tau, metric))  # (N,)
 
 
-def take(rows, active, logits, tau):
-    """Apply one step's decision to the `active` rows: candidates, the τ rule, then the
-    budget / EOS cut (rows.keep). logits (len(active), B, V) -> kept tokens per row (all N)."""
-    check_tau(tau)
-    cands, probs = candidates(logits)
-    n = accept(probs, tau).tolist()
+def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
+    """Apply one step's decision to the `active` rows: candidates (drawn with the active
+    rows' generators), the τ rule, then the budget / EOS cut (rows.keep).
+    logits (len(active), B, V) -> kept tokens per row (all N)."""
+    metric = sampling.accept_metric
+    check_tau(tau, metric)
+    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar_only(tau, metric))
+    n = accept(conf, tau, metric).tolist()
     accepted = [[] for _ in rows.out]
     for i, b in enumerate(active):
         accepted[b] = cands[i, : n[i]].tolist()
@@ -97,7 +111,7 @@ def extend_cache(model, cache, tokens, n):
 
 
 # ---------------------------------------------------------------- the three MARS loops
-def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
+def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens):
     """The paper's loop (§5), the reference: every step one plain causal forward of
     [prefix | B masks] per row, from scratch."""
     rows, forwards = Rows(len(prompts), max_new, eos_ids), 0
@@ -105,11 +119,11 @@ def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
         tau, active = knob.tau, rows.active()
         logits = nocache_logits(model, [prompts[b] + rows.out[b] for b in active], B, mask_id)
         forwards += 1
-        new = take(rows, active, logits, tau)
+        new = take(rows, active, logits, tau, sampling, gens)
         yield Step(new, list(rows.done), forwards, tau)
 
 
-def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
+def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens):
     """cache="window" (§6 sliding window). Each step forwards [pending | B masks] per row
     against the cache, pending = the tokens accepted last step (the whole prompt at
     first, = the prefill), then commits only the pending (real) tokens: the cache update.
@@ -126,12 +140,12 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
         cache.commit(n)
         forwards += 1
         logits = logits_at(model, h, (n - 1).clamp(min=0), B)[active]  # (n_active, B, V)
-        new = take(rows, active, logits, tau)
+        new = take(rows, active, logits, tau, sampling, gens)
         pending = [[] if d else t for t, d in zip(new, rows.done)]
         yield Step(new, list(rows.done), forwards, tau)
 
 
-def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache):
+def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens, block_cache):
     """cache="block" (§6 block-level cache): blocks of B_cache slots over a frozen prefix.
 
     (1) The prefix cache (and the last hidden state of the prefix, the "stored last
@@ -177,7 +191,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache)
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
-        new = take(rows, growing, logits_at(model, seq[growing], start, B), tau)
+        new = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens)
         for b in growing:
             block[b, filled[b]: filled[b] + len(new[b])] = torch.tensor(new[b], device=device)
             filled[b] += len(new[b])
@@ -187,20 +201,23 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache)
 # ---------------------------------------------------------------- entry points
 @torch.no_grad()
 def mars_decode(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos_ids=(),
-                cache="window", block_cache_size=None):
+                cache="window", block_cache_size=None, sampling=GREEDY, generators=None):
     """Decode a batch of prompts (lists of ids) with MARS (§5), yielding a `Step` per step.
 
     tau: a float, or a `Knob` whose `.tau` is read before every step (change it
     between steps to change acceptance from the next step on). cache: "window",
     "block" or "none" (§6); block_cache_size: B_cache of the block mode (default 32).
+    sampling: a sampling.Sampling (default: temperature 0, greedy); generators: one
+    torch.Generator per row (default: row b seeded sampling.seed + b), or one for all.
     A row stops after an accepted EOS id (what followed it in that step is dropped)
     or after max_new_tokens; finished rows idle while the others go on."""
-    check_request(model, prompts, block_size, tau, max_new_tokens, mask_id)
+    check_request(model, prompts, block_size, tau, max_new_tokens, mask_id, sampling.accept_metric)
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     knob = tau if isinstance(tau, Knob) else Knob(float(tau))
     prompts = [list(map(int, p)) for p in prompts]
-    args = (model, prompts, block_size, knob, max_new_tokens, mask_id, tuple(eos_ids))
+    gens = streams(sampling, generators, len(prompts), model.lm_head.weight.device)
+    args = (model, prompts, block_size, knob, max_new_tokens, mask_id, tuple(eos_ids), sampling, gens)
     if cache == "none":
         yield from nocache_steps(*args)
     elif cache == "window":
@@ -213,20 +230,23 @@ def mars_decode(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos
 
 
 def generate(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos_ids=(),
-             cache="window", block_cache_size=None):
+             cache="window", block_cache_size=None, sampling=GREEDY, generators=None):
     """MARS-decode a batch of prompts -> list of `Generation` (ids, forwards), one per prompt."""
     steps = mars_decode(model, prompts, block_size=block_size, tau=tau, max_new_tokens=max_new_tokens,
-                        mask_id=mask_id, eos_ids=eos_ids, cache=cache, block_cache_size=block_cache_size)
+                        mask_id=mask_id, eos_ids=eos_ids, cache=cache, block_cache_size=block_cache_size,
+                        sampling=sampling, generators=generators)
     return collect(steps, len(prompts))
 
 
 @torch.no_grad()
-def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
-    """Plain greedy AR decoding on the KVCache (prefill, then one token per forward, no
-    masks), yielding a `Step` per token: the baseline MARS must beat."""
+def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, generators=None):
+    """Plain AR decoding on the KVCache (prefill, then one token per forward, no masks),
+    yielding a `Step` per token: the baseline MARS must beat. Greedy by default; with
+    `sampling`, each token is one draw (sampling.pick) from row b's generator."""
     check_request(model, prompts, 1, 1.0, max_new_tokens)
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), model.lm_head.weight.device
+    gens = streams(sampling, generators, N, device)
     rows = Rows(N, max_new_tokens, tuple(eos_ids))
     cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + 1)
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -234,7 +254,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
     forwards = 1
     while True:
         active = rows.active()
-        new = take(rows, active, model.lm_head(last[active, None]), 1.0)
+        new = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens)
         yield Step(new, list(rows.done), forwards, 1.0)
         if all(rows.done):
             return
@@ -243,9 +263,9 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
         forwards += 1
 
 
-def generate_ar(model, prompts, max_new_tokens, eos_ids=()):
-    """Greedy AR baseline -> list of `Generation` (ids, forwards), one per prompt."""
-    return collect(ar_decode(model, prompts, max_new_tokens, eos_ids), len(prompts))
+def generate_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, generators=None):
+    """AR baseline (greedy by default) -> list of `Generation` (ids, forwards), one per prompt."""
+    return collect(ar_decode(model, prompts, max_new_tokens, eos_ids, sampling, generators), len(prompts))
 
 
 # ---------------------------------------------------------------- command line

@@ -69,6 +69,9 @@ def check_sampling(s):
         raise ValueError(f"--accept-metric must be one of {', '.join(METRICS)}, got {s.accept_metric!r}")
 
 
+GREEDY = Sampling()  # temperature 0: the default of every decoder (the greedy rule of §5)
+
+
 def row_generators(seed, n_rows, device):
     """One generator per row, row b seeded seed + b, on the device the logits live on."""
     return [torch.Generator(device=device).manual_seed(seed + b) for b in range(n_rows)]
