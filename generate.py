@@ -30,6 +30,7 @@ the same KVCache: the honest baseline. Exact mode (greedy-AR-identical output at
 several tokens per forward) is exact.py; the interactive chat is chat.py.
 
     python generate.py --ckpt out/default/mars --prompt "Compute 3 + 4 + 8." --tau 0.9
+    python generate.py --ckpt out/default/mars --prompt "Tell a story." --exact --temperature 0.7 --top-p 0.9
 """
 
 import argparse
@@ -58,7 +59,7 @@ from decoding import (
 )
 from exact import check_exact, exact_steps
 from kvcache import KVCache
-from sampling import GREEDY, METRICS, Sampling, confident
+from sampling import GREEDY, METRICS, Sampling, confident, row_generators
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
@@ -299,16 +300,30 @@ def read_prompts(args, tok):
             for line in lines]
 
 
+def session_generators(knob, n_rows, device):
+    """The knob's row generators, built from knob.sampling.seed on first use and then kept:
+    the chat's replies continue one stream (a session is reproducible); `/seed` resets it."""
+    if knob.sampling.greedy:
+        return None
+    if knob.generators is None or len(knob.generators) != n_rows:
+        knob.generators = row_generators(knob.sampling.seed, n_rows, device)
+    return knob.generators
+
+
 def decoder(args, model, block_size, mask_id, eos_ids):
-    """prompts, knob -> the step generator the command line asks for: τ-gated, or --exact."""
-    if args.exact:
-        return lambda prompts, knob: exact_steps(
-            model, prompts, block_size=block_size, drafts=args.drafts or block_size,
-            max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
-            draft_threshold=args.draft_threshold)
-    return lambda prompts, knob: mars_decode(
-        model, prompts, block_size=block_size, tau=knob, max_new_tokens=args.max_new_tokens,
-        mask_id=mask_id, eos_ids=eos_ids, cache=args.cache, block_cache_size=args.block_cache_size)
+    """prompts, knob -> the step generator the command line asks for: τ-gated, or --exact;
+    sampled with knob.sampling and the knob's generators."""
+    device = model.lm_head.weight.device
+
+    def decode(prompts, knob):
+        common = dict(max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
+                      sampling=knob.sampling, generators=session_generators(knob, len(prompts), device))
+        if args.exact:
+            return exact_steps(model, prompts, block_size=block_size, drafts=args.drafts or block_size,
+                               draft_threshold=args.draft_threshold, **common)
+        return mars_decode(model, prompts, block_size=block_size, tau=knob, cache=args.cache,
+                           block_cache_size=args.block_cache_size, **common)
+    return decode
 
 
 def parse_args(argv=None):
@@ -319,7 +334,15 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="raw prompt token ids, comma-separated (no template)")
     src.add_argument("--prompts-file", help="a text file, one user message per line (one batch)")
     src.add_argument("--chat", action="store_true", help="interactive chat; /tau X changes tau")
-    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is plain AR")
+    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is plain AR "
+                   "(--accept-metric entropy: an entropy bound in nats, 0 is plain AR)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this "
+                   "mass; 1 = off")
+    p.add_argument("--seed", type=int, default=0, help="row b's sampling generator is seeded seed + b")
+    p.add_argument("--accept-metric", default="probability", help="what --tau is compared with: "
+                   f"{', '.join(METRICS)} (sampling.confidence)")
     p.add_argument("--block-size", type=int, help="B: masks appended per step (default: the "
                    f"checkpoint's mars.json, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -327,8 +350,9 @@ def parse_args(argv=None):
     p.add_argument("--cache", choices=CACHE_MODES, default="window")
     p.add_argument("--block-cache-size", type=int, help=f"B_cache of --cache block "
                    f"(default {DEFAULT_BLOCK_CACHE})")
-    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the greedy AR "
-                   "output, with mask drafts verified in the same forward; --tau is not used")
+    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the AR output "
+                   "(greedy, or sampled: in distribution), with mask drafts verified in the same forward; "
+                   "--tau is not used")
     p.add_argument("--drafts", type=int, help="K of --exact: drafts per step (default: B)")
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="--exact: keep only the leading drafts with probability >= this")
@@ -358,7 +382,8 @@ def block_size_of(args, ck):
 def run(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-    check_tau(args.tau)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
+    check_tau(args.tau, sampling.accept_metric)
     ck = load_checkpoint(args.ckpt, args.device, getattr(torch, args.dtype))
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")
@@ -368,13 +393,13 @@ def run(args):
     B = block_size_of(args, ck)
     if args.exact:
         check_exact(args.drafts or B, B, args.draft_threshold)
-    decode = decoder(args, ck.model, B, mask_id, ck.eos_ids)
+    decode, knob = decoder(args, ck.model, B, mask_id, ck.eos_ids), Knob(args.tau, sampling)
     if args.chat:
         mode = "exact" if args.exact else f"tau={args.tau}, cache={args.cache}"
-        return chat(ck.tok, decode, Knob(args.tau), ck.eos_ids, f"B={B}, {mode}")
+        return chat(ck.tok, decode, knob, ck.eos_ids, f"B={B}, {mode}, temperature={args.temperature}")
     prompts = read_prompts(args, ck.tok)
     t0 = time.perf_counter()
-    results = collect(decode(prompts, Knob(args.tau)), len(prompts))
+    results = collect(decode(prompts, knob), len(prompts))
     dt = time.perf_counter() - t0
     for r in results:
         tpf = round(len(r.ids) / r.forwards, 4)

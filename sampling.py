@@ -104,9 +104,12 @@ def processed_probs(logits, s):
 # ---------------------------------------------------------------- draws
 def categorical(probs, gens):
     """One draw per distribution: probs (N, ..., V) -> tokens (N, ...). gens: one
-    Generator (the batch consumes it in row-major order) or a list, one per row N."""
+    Generator (the batch consumes it in row-major order) or a list, one per row N; None
+    only for one-hot distributions (temperature 0): their argmax, no randomness used."""
     V = probs.shape[-1]
     draw = lambda pr, g: torch.multinomial(pr.reshape(-1, V), 1, generator=g).view(pr.shape[:-1])
+    if gens is None:
+        return probs.argmax(-1)
     if isinstance(gens, torch.Generator):
         return draw(probs, gens)
     if len(gens) != probs.shape[0]:
@@ -179,7 +182,8 @@ def speculative_accept(p, q, d, n, gens):
     accepted draw it from p after the last draft. -> a (N,) accepted, next_token (N,).
     The emitted d_1..d_a, next is distributed exactly as AR sampling from p.
     Randomness per row: n[b] uniforms, then one categorical draw. One-hot p and q
-    (temperature 0) give the greedy rule: accept while d_i == argmax, then the argmax."""
+    (temperature 0) give the greedy rule: accept while d_i == argmax, then the argmax,
+    whatever the random numbers; gens=None (temperature 0 only) draws none."""
     N, k = d.shape
     if k == 0:
         return torch.zeros(N, dtype=torch.long, device=d.device), categorical(p[:, 0], gens)
@@ -197,7 +201,10 @@ def speculative_accept(p, q, d, n, gens):
 
 def _uniforms(N, k, n, gens, device):
     """U[0, 1) numbers for the accept tests: (N, k). Per-row generators draw n[b] each
-    (padding is never tested), so a row's stream does not depend on the batch's k."""
+    (padding is never tested), so a row's stream does not depend on the batch's k.
+    gens=None (one-hot p, q: p(d)/q(d) is 0 or 1) -> zeros: the test is then exact."""
+    if gens is None:
+        return torch.zeros(N, k, device=device)
     if isinstance(gens, torch.Generator):
         return torch.rand(N, k, generator=gens, device=device)
     u = torch.ones(N, k, device=device)
