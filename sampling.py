@@ -58,7 +58,8 @@ def check_sampling(s):
     """Raise ValueError naming the flag for any setting a user can get wrong."""
     t, k, p = s.temperature, s.top_k, s.top_p
     if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):  # also rejects NaN
-        raise ValueError(f"--temperature must be >= 0, got {t}")
+        raise ValueError(f"--temperature must be >= 0, got {t:g}" if isinstance(t, float) else
+                         f"--temperature must be >= 0, got {t!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"--top-k must be an integer >= 0 (0 = off), got {k}")
     if not (isinstance(p, int | float) and 0 < p <= 1):  # also rejects NaN
