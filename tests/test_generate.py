@@ -279,7 +279,8 @@ BAD_INPUT = {  # CLI arguments overriding a valid call -> the message naming the
     "top-p above one": (["--top-p", "1.5"], "error: --top-p must be in (0, 1], got 1.5"),
     "top-k negative": (["--top-k", "-1"], "error: --top-k must be an integer >= 0 (0 = off), got -1"),
     "unknown metric": (["--accept-metric", "confidence"],
-                       "error: --accept-metric must be one of probability, entropy, margin, got 'confidence'"),
+                       "error: --accept-metric must be one of probability, entropy, margin, "
+                       "got 'confidence'"),
     "entropy tau negative": (["--accept-metric", "entropy", "--tau", "-1"],
                              "tau must be >= 0 for the entropy metric (0 = AR)"),
 }
