@@ -21,6 +21,11 @@ temperature, but `p = softmax(logits)` scores it; entropy and margin use the sam
 the confidence stays the raw probability of it, so temperature 0 is the greedy rule of §5.3
 exactly, whereas the processed distribution tends to one-hot (confidence 1: accept all).
 
+How a token is drawn: torch.multinomial on the processed distribution, the call HF's
+generate(do_sample=True) makes (so one Generator reproduces HF's draws token for token), not
+the authors' float64 Gumbel-max trick (the same distribution when top-k and top-p are off;
+theirs has neither). Note HF's GenerationConfig defaults to top_k = 50; ours is 0 (off).
+
 Random numbers: `gens` is either a list of torch.Generators, one per row (the decoders'
 use: each row consumes only its own stream, in an order that depends on the row alone, so a
 row decoded in a batch equals the same row decoded alone with the same generator seed), or
