@@ -26,8 +26,9 @@ Three loops produce the same tokens (the tests prove it):
 Batches are right-padded: a row's tokens start at slot 0 and its position ids are
 slot indices, so with plain causal attention no real token ever sees a pad, and
 every row accepts its own number of tokens. `ar_decode` is the plain AR decoder on
-the same KVCache: the honest baseline. Exact mode (greedy-AR-identical output at
-several tokens per forward) is exact.py; the interactive chat is chat.py.
+the same KVCache: the honest baseline. Exact mode (the AR output at several tokens per
+forward: greedy token for token, or sampled in distribution) is exact.py; the
+interactive chat is chat.py.
 
     python generate.py --ckpt out/default/mars --prompt "Compute 3 + 4 + 8." --tau 0.9
     python generate.py --ckpt out/default/mars --prompt "Tell a story." --exact --temperature 0.7 --top-p 0.9
