@@ -1,19 +1,29 @@
 """Interactive MARS chat for `python generate.py --ckpt DIR --chat` (MARS_SPEC §5).
 
 The model stays loaded; `/tau X` sets τ for the next reply (τ is a per-request number, §5),
-so one session can compare AR (`/tau 1`) and multi-token replies. Tokens accepted in the
-same forward share a colour when the output is a terminal. The conversation is kept and
-re-templated with the checkpoint's chat template every turn.
+so one session can compare AR (`/tau 1`) and multi-token replies; `/temperature X`,
+`/top-p X`, `/top-k N`, `/seed N` and `/accept-metric NAME` change the sampling settings
+(sampling.Sampling) the same way. Tokens accepted in the same forward share a colour when
+the output is a terminal. The conversation is kept and re-templated with the checkpoint's
+chat template every turn.
 
 The chat knows no model and no decoding rule: it gets a `decode(prompts, knob)` function
 that yields decoding.Step's (generate.py builds it from the command line) and the Knob
-whose τ that decoder reads before every step.
+whose τ that decoder reads before every step (and whose sampling settings and generators
+it reads once per reply: the session's random stream goes on across replies; `/seed`
+starts it afresh).
 """
 
+import dataclasses
 import sys
 import time
 
 from decoding import check_tau
+
+SAMPLING_COMMANDS = {  # chat command -> (sampling.Sampling field, the value's type)
+    "/temperature": ("temperature", float), "/top-p": ("top_p", float), "/top-k": ("top_k", int),
+    "/seed": ("seed", int), "/accept-metric": ("accept_metric", str),
+}
 
 
 class Printer:
@@ -43,10 +53,31 @@ class Printer:
             self.shown = text
 
 
+def set_sampling(knob, line):
+    """`/temperature 0.7` and the like -> the line to print. A bad value is an error message
+    and leaves the settings as they were (Sampling checks itself, naming the setting)."""
+    cmd, *arg = line.split()
+    name, cast = SAMPLING_COMMANDS[cmd]
+    try:
+        value = cast(arg[0])
+        knob.sampling = dataclasses.replace(knob.sampling, **{name: value})
+    except IndexError:
+        return f"error: {cmd} needs a value"
+    except ValueError as e:
+        if str(e).startswith("--"):  # Sampling's message names the flag: name the command
+            return f"error: /{str(e)[2:]}"
+        return f"error: {cmd} needs {'an integer' if cast is int else 'a number'}, got {arg[0]!r}"
+    if name == "seed":
+        knob.generators = None  # a fresh stream from the new seed at the next reply
+    return f"{cmd[1:]} = {value}"
+
+
 def chat(tok, decode, knob, eos_ids, header=""):
-    """Interactive chat on stdin/stdout; `/tau 0.8` changes τ for the next reply, `/quit` leaves."""
+    """Interactive chat on stdin/stdout; `/tau 0.8` changes τ for the next reply (and
+    `/temperature 0.7` etc. the sampling), `/quit` leaves."""
     messages = []
-    print(f"MARS chat ({header}); /tau X changes tau, /quit leaves")
+    print(f"MARS chat ({header}); /tau X changes tau, /temperature X (/top-p, /top-k, /seed, "
+          "/accept-metric) the sampling, /quit leaves")
     while True:
         try:
             line = input("> ")
@@ -57,12 +88,15 @@ def chat(tok, decode, knob, eos_ids, header=""):
         if line.startswith("/tau"):
             try:
                 tau = float(line.split()[1])
-                check_tau(tau)
+                check_tau(tau, knob.sampling.accept_metric)
             except (IndexError, ValueError):
                 print("error: /tau needs a number > 0, e.g. /tau 0.8")
                 continue
             knob.tau = tau  # read by the decoder before its next step; the model stays loaded
             print(f"tau = {tau}")
+            continue
+        if line.split()[:1] and line.split()[0] in SAMPLING_COMMANDS:
+            print(set_sampling(knob, line))
             continue
         if not line.strip():
             continue

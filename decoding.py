@@ -1,22 +1,28 @@
 """Decoding plumbing shared by every decoder: what a step yields, the live τ, request
-checks, the one EOS/budget cut, greedy candidates, and collecting results (MARS_SPEC §5).
+checks, the one EOS/budget cut, the candidates, and collecting results (MARS_SPEC §5).
 
 generate.py (the τ-gated loop, §5-§6), exact.py (exact mode) and chat.py all build on
-this file, and it imports none of them. It knows no text and no checkpoint: prompts
-are lists of ids, EOS is a set of ids, and a decoder is a generator of `Step`s that a
-caller runs to the end (`collect`) or streams (the chat).
+this file, and it imports none of them (only the sampling kernels, sampling.py). It knows
+no text and no checkpoint: prompts are lists of ids, EOS is a set of ids, and a decoder is
+a generator of `Step`s that a caller runs to the end (`collect`) or streams (the chat).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from sampling import GREEDY, Sampling, confidence, pick, row_generators
 
 
 @dataclass
 class Knob:
-    """The live τ: a decoder reads `knob.tau` before every step, so a caller (or the chat's
-    `/tau`) can change it between steps: `knob.tau = 1.0` -> AR from the next step (§5)."""
+    """The live settings of a session. A decoder reads `knob.tau` before every step, so a
+    caller (or the chat's `/tau`) can change it between steps: `knob.tau = 1.0` -> AR from
+    the next step (§5). `sampling` and `generators` are read once per request (the chat's
+    `/temperature`, `/top-p`, `/top-k`, `/seed` change them between replies)."""
     tau: float
+    sampling: Sampling = field(default_factory=Sampling)
+    generators: list | None = None  # the session's row generators; None: fresh from sampling.seed
 
 
 @dataclass
@@ -38,18 +44,31 @@ class Generation:
     forwards: int  # model forwards run while this prompt was still generating
 
 
-# ---------------------------------------------------------------- request checks
-def check_tau(tau):
-    if not tau > 0:  # also rejects NaN
+# ---------------------------------------------------------------- τ: the threshold and AR mode
+def ar_only(tau, metric="probability"):
+    """AR mode (§5.5): accept c_0 only, without comparing anything with τ. It is the strict
+    end of the metric's range: τ >= 1 for probability and margin (fp32 probabilities can
+    round to exactly 1.0, so "p >= 1" is no safe way to say it), and τ = 0 for entropy,
+    whose τ is an upper bound in nats (accept when H <= τ; τ = 1 nat is an ordinary, loose
+    threshold there, and H can round to exactly 0)."""
+    return tau == 0 if metric == "entropy" else tau >= 1
+
+
+def check_tau(tau, metric="probability"):
+    if metric == "entropy":
+        if not tau >= 0:  # also rejects NaN
+            raise ValueError(f"tau must be >= 0 for the entropy metric (0 = AR), got {tau}")
+    elif not tau > 0:  # also rejects NaN
         raise ValueError(f"tau must be > 0, got {tau}")
 
 
-def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None):
+# ---------------------------------------------------------------- request checks
+def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None, metric="probability"):
     """Raise ValueError with a clear message for anything a user can get wrong."""
     cfg = model.config
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, got {block_size}")
-    check_tau(tau.tau if isinstance(tau, Knob) else tau)
+    check_tau(tau.tau if isinstance(tau, Knob) else tau, metric)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if mask_id is not None and not 0 <= mask_id < cfg.vocab_size:
@@ -81,13 +100,39 @@ def logits_at(model, h, start, n):
     return model.lm_head(h)
 
 
-def candidates(logits):
-    """Greedy candidates and their confidences (§5.2-3): logits (N, n, V) ->
-    c (N, n) = argmax, p (N, n) = softmax probability of c, computed in float32."""
-    logits = logits.float()
-    c = logits.argmax(-1)  # (N, n)
-    p = logits.softmax(-1).gather(-1, c[..., None])[..., 0]  # (N, n)
-    return c, p
+def candidates(logits, sampling=GREEDY, gens=None, ar=False):
+    """Candidates and their confidences (§5.2-3): logits (N, n, V) at [last prefix token,
+    mask 0 .. n-2] -> c (N, n), conf (N, n) (sampling.confidence: the raw fp32 softmax).
+
+    Temperature 0 (the default): c = the fp32 argmax, conf = its softmax probability, the
+    greedy rule of §5. Otherwise each c_j is drawn from its own position's processed
+    distribution, independently (mask j-1 never sees the drawn c_{j-1}: this is MARS, not
+    exact sampling; that is exact.py). c_0 is drawn in a call of its own and, in AR mode
+    (`ar`), c_1.. are not drawn at all (the argmax, never accepted): so an AR-mode step uses
+    each row's generator exactly as the AR sampler does, one one-position draw per token."""
+    c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR draw
+    rest = logits[:, 1:]  # (N, n-1, V)
+    greedy = ar or sampling.greedy or rest.shape[1] == 0
+    c = torch.cat([c0, rest.float().argmax(-1) if greedy else pick(rest, sampling, gens)], 1)  # (N, n)
+    return c, confidence(logits, c, sampling.accept_metric)
+
+
+def streams(sampling, generators, n_rows, device):
+    """The random streams of a request: None at temperature 0 (nothing is drawn), else the
+    caller's `generators` (a list, one per row, or one torch.Generator), else one per row,
+    row b seeded sampling.seed + b (sampling.row_generators)."""
+    if sampling.greedy:
+        return None
+    if generators is None:
+        return row_generators(sampling.seed, n_rows, device)
+    if isinstance(generators, list) and len(generators) != n_rows:
+        raise ValueError(f"{len(generators)} generators for {n_rows} prompts")
+    return generators
+
+
+def rows_of(gens, idx):
+    """The streams of rows `idx` (a list of row indices); one shared Generator stays itself."""
+    return gens if gens is None or isinstance(gens, torch.Generator) else [gens[b] for b in idx]
 
 
 def leading_run(ok):

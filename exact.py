@@ -1,27 +1,37 @@
-"""Exact mode: the greedy AR output at several tokens per forward (MARS_SPEC §3, §5, §6).
+"""Exact mode: the AR output at several tokens per forward (MARS_SPEC §3, §5, §6), greedy
+or sampled.
 
-The τ rule of §5 trades accuracy for speed. Exact mode keeps the greedy AR output
-token for token and lets the model check its own mask predictions, in the manner of
-speculative decoding with the MARS model as its own drafter. The state of a row is
-a verified prefix P (in the KV cache), the next token c_0 (the AR argmax after P,
-hence already correct, emitted but not cached yet) and K drafts d_1..d_K (mask
-predictions for the tokens after c_0). One forward over
+The τ rule of §5 trades accuracy for speed. Exact mode keeps the AR output (greedy:
+token for token; sampled: in distribution) and lets the model check its own mask
+predictions, in the manner of speculative decoding with the MARS model as its own
+drafter. The state of a row is a verified prefix P (in the KV cache), the next token
+c_0 (an AR token after P, hence already correct, emitted but not cached yet), K drafts
+d_1..d_K (mask predictions for the tokens after c_0) and, when sampling, q: the K
+distributions the drafts were drawn from. One forward over
 
     [c_0, d_1..d_K | G_0 | G_1 | .. | G_K]          (mars.exact_attention_mask)
 
 does three things at once:
   verify  c_0, d_1..d_K are plain causal real tokens; the output at each is the exact
-          AR argmax of the following token. d_1..d_a are accepted while each equals
-          that argmax; the argmax after the last accepted token is the next c_0 (the
-          "bonus" token). The step emits d_1..d_a and the bonus: 1 + a tokens.
+          AR distribution p of the following token. Speculative sampling (Leviathan et
+          al. 2023, Chen et al. 2023; sampling.speculative_accept) accepts d_i with
+          probability min(1, p(d_i)/q(d_i)), q the mask distribution d_i was drawn from;
+          at the first rejection the next c_0 (the "bonus" token) is drawn from
+          normalise(max(0, p - q)), after the last draft from p. The step emits d_1..d_a
+          and the bonus: 1 + a tokens, distributed exactly as AR sampling. At temperature
+          0, p and q are one-hot: d_i is accepted while it equals the AR argmax, and the
+          bonus is the argmax after the last accepted token (the greedy output).
   draft   group G_j holds g masks that see P, c_0, d_1..d_j and their own earlier
           masks only; its mask m sits at position |P|+j+1+m (mask 0 at the position of
           the next c_0) and, right-shifted as in §3/§5, predicts the token after that
           position. So G_a, the group that saw exactly the accepted tokens, holds the
           drafts for the tokens after the bonus (lookahead 2..g+1, as the noisy stream
-          of §3 is trained). With draft_threshold > 0 only a leading run of drafts whose
-          fp32 softmax probability is >= the threshold is kept, so fewer real tokens and
-          groups are forwarded next time.
+          of §3 is trained): d ~ q = the processed distribution of G_a's logits, kept
+          for the next step's verification (sampling.sample_drafts). With
+          draft_threshold > 0 only a leading run of positions whose fp32 softmax
+          probability of their argmax is >= the threshold is kept (the cut never looks
+          at the drawn draft, which would bias it), so fewer real tokens and groups are
+          forwarded next time.
   cache   c_0, d_1..d_a were computed as real tokens on a verified prefix: their K/V
           are committed (§6). The rejected drafts and every mask lie past `lengths`
           and are overwritten by the next forward.
@@ -38,8 +48,13 @@ is plain AR: one token per forward.
 
 Batches: rows are right-padded; a row with fewer drafts than another gets pad tokens
 in its unused draft slots. Only tokens after a row's real drafts and groups G_j with
-j past its draft count see them, and their outputs are never read, so one (T, T) mask
-serves the batch. Finished rows idle (commit nothing).
+j past its draft count see them, and their outputs are never read (the verification
+tests only a row's own n drafts), so one (T, T) mask serves the batch. Finished rows
+idle (commit nothing; they still draw, harmlessly: they emit nothing).
+
+Random numbers (sampling.py): row b's generator per step draws its n_b accept uniforms,
+one bonus token and its g drafts, in an order that depends on row b alone, so a row in a
+batch is the row alone with the same generator (up to bitwise-equal logits).
 
     generate_exact(model, prompts, block_size=4, drafts=4, max_new_tokens=256,
                    mask_id=tok.mask_id, eos_ids=eos)  -> [Generation(ids, forwards), ...]
@@ -47,11 +62,10 @@ serves the batch. Finished rows idle (commit nothing).
 
 import torch
 
-from decoding import Rows, Step, candidates, check_request, collect, leading_run, logits_at, pad_rows
+from decoding import Rows, Step, check_request, collect, logits_at, pad_rows, streams
 from kvcache import KVCache
 from mars import exact_attention_mask
-
-PAD = -1  # fills unused draft slots when comparing with argmaxes: never equals a token
+from sampling import GREEDY, pick, processed_probs, sample_drafts, speculative_accept
 
 
 # ---------------------------------------------------------------- one step
@@ -71,26 +85,31 @@ def step_input(c0, drafts, group_size, lengths, mask_id):
     return torch.cat([real, masks], 1), positions, exact_attention_mask(k, group_size, device)
 
 
-def verify(model, h, drafts):
-    """How many drafts each row accepts, and the bonus token after them (§5.2, c_0 rule).
+def verify(model, h, drafts, q, sampling=GREEDY, gens=None):
+    """How many drafts each row accepts, and the bonus token after them: speculative
+    sampling against the AR path of the same forward (sampling.speculative_accept).
 
-    h (N, T, C): the step's hidden states; the first 1+k are the real tokens, whose
-    outputs are the AR argmaxes of the tokens that follow them. -> a (N,), bonus (N,)."""
+    h (N, T, C): the step's hidden states; the first 1+k are the real tokens c_0, d_1..d_k,
+    whose outputs give p, the processed AR distribution of the token after each. drafts:
+    per row its <= k drafts; q (N, >= k, V): the distributions they were drawn from.
+    Accept d_i with probability min(1, p(d_i)/q(d_i)); at the first rejection draw the
+    bonus from normalise(max(0, p - q)), after the last draft from p. At temperature 0
+    (one-hot p, q): accept while d_i == the AR argmax; the bonus is the argmax after the
+    last accepted draft. -> a (N,), bonus (N,)."""
     k = max(map(len, drafts))
-    ar = model.lm_head(h[:, : 1 + k]).float().argmax(-1)  # (N, 1+k): AR argmax after c_0, d_1, ..
-    if k == 0:
-        return torch.zeros_like(ar[:, 0]), ar[:, 0]
-    d = pad_rows(drafts, PAD, h.device)  # (N, k)
-    a = leading_run(d == ar[:, :k])  # (N,): drafts kept while d_i == the argmax after d_{i-1}
-    return a, ar.gather(1, a[:, None])[:, 0]
+    p = processed_probs(model.lm_head(h[:, : 1 + k]), sampling)  # (N, 1+k, V): AR targets
+    n = torch.tensor([len(d) for d in drafts], device=h.device)  # (N,): real drafts per row
+    d = pad_rows(drafts, 0, h.device) if k else n[:, None][:, :0]  # (N, k); padding never tested
+    return speculative_accept(p, q[:, :k], d, n, gens)
 
 
-def draft(logits, threshold):
-    """Mask logits (N, g, V) -> drafts per row: the argmaxes, cut before the first whose
-    fp32 softmax probability is below `threshold` (0 keeps all g)."""
-    c, p = candidates(logits)  # (N, g) each
-    n = leading_run(p >= threshold)  # (N,)
-    return [row[:k] for row, k in zip(c.tolist(), n.tolist())]
+def draft(logits, threshold, sampling=GREEDY, gens=None):
+    """Mask logits (N, g, V) -> (drafts per row, q (N, g, V)): d ~ q = the processed
+    distribution (the argmaxes at temperature 0), cut before the first position whose fp32
+    softmax probability of its argmax is below `threshold` (0 keeps all g); q is kept for
+    the next step's verification (sampling.sample_drafts)."""
+    d, n, q = sample_drafts(logits, sampling, gens, threshold)  # (N, g), (N,), (N, g, V)
+    return [row[:k] for row, k in zip(d.tolist(), n.tolist())], q
 
 
 def group_logits(model, h, a, n_drafts, group_size):
@@ -116,28 +135,30 @@ def check_exact(drafts, block_size, draft_threshold):
 
 @torch.no_grad()
 def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),
-                draft_threshold=0.0):
+                draft_threshold=0.0, sampling=GREEDY, generators=None):
     """Decode a batch of prompts in exact mode, yielding a decoding.Step per forward.
 
-    The tokens are exactly the greedy AR tokens (Step.tau is 1.0: the τ = 1 output).
-    drafts: K, the drafts per step and the masks per group (1 <= K <= block_size, the
-    B the model was trained with). A row stops after an EOS id or max_new_tokens;
-    finished rows idle while the others go on."""
+    The tokens are distributed exactly as AR sampling with `sampling` (sampling.Sampling;
+    at temperature 0, the default, they are the greedy AR tokens; Step.tau is 1.0: the
+    τ = 1 output). generators: one torch.Generator per row (default: row b seeded
+    sampling.seed + b), or one for all. drafts: K, the drafts per step and the masks per
+    group (1 <= K <= block_size, the B the model was trained with). A row stops after an
+    EOS id or max_new_tokens; finished rows idle while the others go on."""
     check_request(model, prompts, block_size, 1.0, max_new_tokens, mask_id)
     check_exact(drafts, block_size, draft_threshold)
-    K, eos_ids = drafts, tuple(eos_ids)
+    K, eos_ids, s = drafts, tuple(eos_ids), sampling
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), next(model.parameters()).device
     cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + (1 + K) ** 2)
-    rows = Rows(N, max_new_tokens, eos_ids)
+    rows, gens = Rows(N, max_new_tokens, eos_ids), streams(s, generators, N, device)
 
     # prefill: [prompt | G_0] plain causal; commit the prompt only
     lens = torch.tensor([len(p) for p in prompts], device=device)
     h = model.hidden(pad_rows([p + [mask_id] * K for p in prompts], mask_id, device), cache=cache)
     cache.commit(lens)
     logits = logits_at(model, h, lens - 1, 1 + K)  # (N, 1+K, V): last prompt token, G_0
-    c0 = logits[:, 0].float().argmax(-1).tolist()
-    d = draft(logits[:, 1:], draft_threshold)
+    c0 = pick(logits[:, :1], s, gens)[:, 0].tolist()  # the AR token after the prompt
+    d, q = draft(logits[:, 1:], draft_threshold, s, gens)  # drafts, and q (N, K, V) for the next step
     forwards = 1
     new = rows.keep([[c] for c in c0])
     yield Step(new, list(rows.done), forwards, 1.0)
@@ -148,8 +169,8 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
         tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
         h = model.hidden(tokens, positions, mask, cache)  # (N, T, C)
         forwards += 1
-        a, bonus = verify(model, h, d)
-        d_next = draft(group_logits(model, h, a, max(map(len, d)), K), draft_threshold)
+        a, bonus = verify(model, h, d, q, s, gens)
+        d_next, q = draft(group_logits(model, h, a, max(map(len, d)), K), draft_threshold, s, gens)
         emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
         new = rows.keep(emitted)
         keep_verified(cache, a, ~torch.tensor(rows.done, device=device))
@@ -158,10 +179,11 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
 
 
 def generate_exact(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),
-                   draft_threshold=0.0):
+                   draft_threshold=0.0, sampling=GREEDY, generators=None):
     """Exact-mode decode a batch of prompts -> list of `Generation` (ids, forwards), one per
-    prompt; ids equal greedy AR decoding (generate.generate_ar) token for token."""
+    prompt; at temperature 0 the ids equal greedy AR decoding (generate.generate_ar) token
+    for token, otherwise they are distributed as AR sampling (generate_ar with `sampling`)."""
     steps = exact_steps(model, prompts, block_size=block_size, drafts=drafts,
                         max_new_tokens=max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
-                        draft_threshold=draft_threshold)
+                        draft_threshold=draft_threshold, sampling=sampling, generators=generators)
     return collect(steps, len(prompts))

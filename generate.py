@@ -8,6 +8,13 @@ while their softmax probability is >= τ (`accept`). τ = 1 is plain greedy AR;
 lower τ trades accuracy for tokens per forward. τ is read before every step from
 a `decoding.Knob`, so it can change between steps while the model stays loaded.
 
+Sampling (issue 13; sampling.py): with `sampling=Sampling(temperature=T, top_k, top_p,
+seed, accept_metric)` each candidate c_j is drawn from its position's processed
+distribution, and τ is compared with the raw fp32 softmax of the logits at c_j (or with
+the entropy / margin of that distribution: sampling.confidence), as in the authors'
+sampler. τ = 1 is then plain AR sampling, token for token the AR sampler's under the same
+generators. Temperature 0, the default, is the greedy rule above, unchanged.
+
 Three loops produce the same tokens (the tests prove it):
   nocache_steps  the paper's loop: recompute [prefix | B masks] from scratch every step.
   window_steps   (§6 sliding window) forward [tokens accepted last step | B masks]
@@ -19,10 +26,12 @@ Three loops produce the same tokens (the tests prove it):
 Batches are right-padded: a row's tokens start at slot 0 and its position ids are
 slot indices, so with plain causal attention no real token ever sees a pad, and
 every row accepts its own number of tokens. `ar_decode` is the plain AR decoder on
-the same KVCache: the honest baseline. Exact mode (greedy-AR-identical output at
-several tokens per forward) is exact.py; the interactive chat is chat.py.
+the same KVCache: the honest baseline. Exact mode (the AR output at several tokens per
+forward: greedy token for token, or sampled in distribution) is exact.py; the
+interactive chat is chat.py.
 
     python generate.py --ckpt out/default/mars --prompt "Compute 3 + 4 + 8." --tau 0.9
+    python generate.py --ckpt out/default/mars --prompt "Tell a story." --exact --temperature 0.7 --top-p 0.9
 """
 
 import argparse
@@ -38,6 +47,7 @@ from decoding import (
     Knob,
     Rows,
     Step,
+    ar_only,
     candidates,
     check_request,
     check_tau,
@@ -45,31 +55,37 @@ from decoding import (
     leading_run,
     logits_at,
     pad_rows,
+    rows_of,
+    streams,
 )
 from exact import check_exact, exact_steps
 from kvcache import KVCache
+from sampling import GREEDY, METRICS, Sampling, confident, row_generators
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
 
 
 # ---------------------------------------------------------------- the acceptance rule (§5)
-def accept(probs, tau):
+def accept(conf, tau, metric="probability"):
     """The acceptance rule (§5.4-5): how many leading candidates each row keeps, (N,).
 
-    c_0 is always accepted; then c_1, c_2, ... while p_j >= τ, stopping at the first
-    failure. τ >= 1 accepts only c_0 (fp32 probabilities can round to exactly 1.0)."""
-    if tau >= 1:
-        return torch.ones(probs.shape[0], dtype=torch.long, device=probs.device)
-    return 1 + leading_run(probs[:, 1:] >= tau)  # (N,)
+    c_0 is always accepted; then c_1, c_2, ... while p_j >= τ (conf: the candidates'
+    confidences, sampling.confidence; entropy: while H_j <= τ), stopping at the first
+    failure. AR mode (decoding.ar_only: τ >= 1, for entropy τ = 0) accepts only c_0."""
+    if ar_only(tau, metric):
+        return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
+    return 1 + leading_run(confident(conf[:, 1:], tau, metric))  # (N,)
 
 
-def take(rows, active, logits, tau):
-    """Apply one step's decision to the `active` rows: candidates, the τ rule, then the
-    budget / EOS cut (rows.keep). logits (len(active), B, V) -> kept tokens per row (all N)."""
-    check_tau(tau)
-    cands, probs = candidates(logits)
-    n = accept(probs, tau).tolist()
+def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
+    """Apply one step's decision to the `active` rows: candidates (drawn with the active
+    rows' generators), the τ rule, then the budget / EOS cut (rows.keep).
+    logits (len(active), B, V) -> kept tokens per row (all N)."""
+    metric = sampling.accept_metric
+    check_tau(tau, metric)
+    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar_only(tau, metric))
+    n = accept(conf, tau, metric).tolist()
     accepted = [[] for _ in rows.out]
     for i, b in enumerate(active):
         accepted[b] = cands[i, : n[i]].tolist()
@@ -97,7 +113,7 @@ def extend_cache(model, cache, tokens, n):
 
 
 # ---------------------------------------------------------------- the three MARS loops
-def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
+def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens):
     """The paper's loop (§5), the reference: every step one plain causal forward of
     [prefix | B masks] per row, from scratch."""
     rows, forwards = Rows(len(prompts), max_new, eos_ids), 0
@@ -105,11 +121,11 @@ def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
         tau, active = knob.tau, rows.active()
         logits = nocache_logits(model, [prompts[b] + rows.out[b] for b in active], B, mask_id)
         forwards += 1
-        new = take(rows, active, logits, tau)
+        new = take(rows, active, logits, tau, sampling, gens)
         yield Step(new, list(rows.done), forwards, tau)
 
 
-def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
+def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens):
     """cache="window" (§6 sliding window). Each step forwards [pending | B masks] per row
     against the cache, pending = the tokens accepted last step (the whole prompt at
     first, = the prefill), then commits only the pending (real) tokens: the cache update.
@@ -126,12 +142,12 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids):
         cache.commit(n)
         forwards += 1
         logits = logits_at(model, h, (n - 1).clamp(min=0), B)[active]  # (n_active, B, V)
-        new = take(rows, active, logits, tau)
+        new = take(rows, active, logits, tau, sampling, gens)
         pending = [[] if d else t for t, d in zip(new, rows.done)]
         yield Step(new, list(rows.done), forwards, tau)
 
 
-def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache):
+def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens, block_cache):
     """cache="block" (§6 block-level cache): blocks of B_cache slots over a frozen prefix.
 
     (1) The prefix cache (and the last hidden state of the prefix, the "stored last
@@ -177,7 +193,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache)
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
-        new = take(rows, growing, logits_at(model, seq[growing], start, B), tau)
+        new = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens)
         for b in growing:
             block[b, filled[b]: filled[b] + len(new[b])] = torch.tensor(new[b], device=device)
             filled[b] += len(new[b])
@@ -187,20 +203,23 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, block_cache)
 # ---------------------------------------------------------------- entry points
 @torch.no_grad()
 def mars_decode(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos_ids=(),
-                cache="window", block_cache_size=None):
+                cache="window", block_cache_size=None, sampling=GREEDY, generators=None):
     """Decode a batch of prompts (lists of ids) with MARS (§5), yielding a `Step` per step.
 
     tau: a float, or a `Knob` whose `.tau` is read before every step (change it
     between steps to change acceptance from the next step on). cache: "window",
     "block" or "none" (§6); block_cache_size: B_cache of the block mode (default 32).
+    sampling: a sampling.Sampling (default: temperature 0, greedy); generators: one
+    torch.Generator per row (default: row b seeded sampling.seed + b), or one for all.
     A row stops after an accepted EOS id (what followed it in that step is dropped)
     or after max_new_tokens; finished rows idle while the others go on."""
-    check_request(model, prompts, block_size, tau, max_new_tokens, mask_id)
+    check_request(model, prompts, block_size, tau, max_new_tokens, mask_id, sampling.accept_metric)
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
     knob = tau if isinstance(tau, Knob) else Knob(float(tau))
     prompts = [list(map(int, p)) for p in prompts]
-    args = (model, prompts, block_size, knob, max_new_tokens, mask_id, tuple(eos_ids))
+    gens = streams(sampling, generators, len(prompts), model.lm_head.weight.device)
+    args = (model, prompts, block_size, knob, max_new_tokens, mask_id, tuple(eos_ids), sampling, gens)
     if cache == "none":
         yield from nocache_steps(*args)
     elif cache == "window":
@@ -213,20 +232,23 @@ def mars_decode(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos
 
 
 def generate(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos_ids=(),
-             cache="window", block_cache_size=None):
+             cache="window", block_cache_size=None, sampling=GREEDY, generators=None):
     """MARS-decode a batch of prompts -> list of `Generation` (ids, forwards), one per prompt."""
     steps = mars_decode(model, prompts, block_size=block_size, tau=tau, max_new_tokens=max_new_tokens,
-                        mask_id=mask_id, eos_ids=eos_ids, cache=cache, block_cache_size=block_cache_size)
+                        mask_id=mask_id, eos_ids=eos_ids, cache=cache, block_cache_size=block_cache_size,
+                        sampling=sampling, generators=generators)
     return collect(steps, len(prompts))
 
 
 @torch.no_grad()
-def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
-    """Plain greedy AR decoding on the KVCache (prefill, then one token per forward, no
-    masks), yielding a `Step` per token: the baseline MARS must beat."""
+def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, generators=None):
+    """Plain AR decoding on the KVCache (prefill, then one token per forward, no masks),
+    yielding a `Step` per token: the baseline MARS must beat. Greedy by default; with
+    `sampling`, each token is one draw (sampling.pick) from row b's generator."""
     check_request(model, prompts, 1, 1.0, max_new_tokens)
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), model.lm_head.weight.device
+    gens = streams(sampling, generators, N, device)
     rows = Rows(N, max_new_tokens, tuple(eos_ids))
     cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + 1)
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -234,7 +256,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
     forwards = 1
     while True:
         active = rows.active()
-        new = take(rows, active, model.lm_head(last[active, None]), 1.0)
+        new = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens)
         yield Step(new, list(rows.done), forwards, 1.0)
         if all(rows.done):
             return
@@ -243,9 +265,9 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=()):
         forwards += 1
 
 
-def generate_ar(model, prompts, max_new_tokens, eos_ids=()):
-    """Greedy AR baseline -> list of `Generation` (ids, forwards), one per prompt."""
-    return collect(ar_decode(model, prompts, max_new_tokens, eos_ids), len(prompts))
+def generate_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, generators=None):
+    """AR baseline (greedy by default) -> list of `Generation` (ids, forwards), one per prompt."""
+    return collect(ar_decode(model, prompts, max_new_tokens, eos_ids, sampling, generators), len(prompts))
 
 
 # ---------------------------------------------------------------- command line
@@ -279,16 +301,30 @@ def read_prompts(args, tok):
             for line in lines]
 
 
+def session_generators(knob, n_rows, device):
+    """The knob's row generators, built from knob.sampling.seed on first use and then kept:
+    the chat's replies continue one stream (a session is reproducible); `/seed` resets it."""
+    if knob.sampling.greedy:
+        return None
+    if knob.generators is None or len(knob.generators) != n_rows:
+        knob.generators = row_generators(knob.sampling.seed, n_rows, device)
+    return knob.generators
+
+
 def decoder(args, model, block_size, mask_id, eos_ids):
-    """prompts, knob -> the step generator the command line asks for: τ-gated, or --exact."""
-    if args.exact:
-        return lambda prompts, knob: exact_steps(
-            model, prompts, block_size=block_size, drafts=args.drafts or block_size,
-            max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
-            draft_threshold=args.draft_threshold)
-    return lambda prompts, knob: mars_decode(
-        model, prompts, block_size=block_size, tau=knob, max_new_tokens=args.max_new_tokens,
-        mask_id=mask_id, eos_ids=eos_ids, cache=args.cache, block_cache_size=args.block_cache_size)
+    """prompts, knob -> the step generator the command line asks for: τ-gated, or --exact;
+    sampled with knob.sampling and the knob's generators."""
+    device = model.lm_head.weight.device
+
+    def decode(prompts, knob):
+        common = dict(max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
+                      sampling=knob.sampling, generators=session_generators(knob, len(prompts), device))
+        if args.exact:
+            return exact_steps(model, prompts, block_size=block_size, drafts=args.drafts or block_size,
+                               draft_threshold=args.draft_threshold, **common)
+        return mars_decode(model, prompts, block_size=block_size, tau=knob, cache=args.cache,
+                           block_cache_size=args.block_cache_size, **common)
+    return decode
 
 
 def parse_args(argv=None):
@@ -299,7 +335,15 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="raw prompt token ids, comma-separated (no template)")
     src.add_argument("--prompts-file", help="a text file, one user message per line (one batch)")
     src.add_argument("--chat", action="store_true", help="interactive chat; /tau X changes tau")
-    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is plain AR")
+    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is plain AR "
+                   "(--accept-metric entropy: an entropy bound in nats, 0 is plain AR)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this "
+                   "mass; 1 = off")
+    p.add_argument("--seed", type=int, default=0, help="row b's sampling generator is seeded seed + b")
+    p.add_argument("--accept-metric", default="probability", help="what --tau is compared with: "
+                   f"{', '.join(METRICS)} (sampling.confidence)")
     p.add_argument("--block-size", type=int, help="B: masks appended per step (default: the "
                    f"checkpoint's mars.json, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -307,8 +351,9 @@ def parse_args(argv=None):
     p.add_argument("--cache", choices=CACHE_MODES, default="window")
     p.add_argument("--block-cache-size", type=int, help=f"B_cache of --cache block "
                    f"(default {DEFAULT_BLOCK_CACHE})")
-    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the greedy AR "
-                   "output, with mask drafts verified in the same forward; --tau is not used")
+    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the AR output "
+                   "(greedy, or sampled: in distribution), with mask drafts verified in the same forward; "
+                   "--tau is not used")
     p.add_argument("--drafts", type=int, help="K of --exact: drafts per step (default: B)")
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="--exact: keep only the leading drafts with probability >= this")
@@ -338,7 +383,8 @@ def block_size_of(args, ck):
 def run(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
-    check_tau(args.tau)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
+    check_tau(args.tau, sampling.accept_metric)
     ck = load_checkpoint(args.ckpt, args.device, getattr(torch, args.dtype))
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")
@@ -348,13 +394,13 @@ def run(args):
     B = block_size_of(args, ck)
     if args.exact:
         check_exact(args.drafts or B, B, args.draft_threshold)
-    decode = decoder(args, ck.model, B, mask_id, ck.eos_ids)
+    decode, knob = decoder(args, ck.model, B, mask_id, ck.eos_ids), Knob(args.tau, sampling)
     if args.chat:
         mode = "exact" if args.exact else f"tau={args.tau}, cache={args.cache}"
-        return chat(ck.tok, decode, Knob(args.tau), ck.eos_ids, f"B={B}, {mode}")
+        return chat(ck.tok, decode, knob, ck.eos_ids, f"B={B}, {mode}, temperature={args.temperature}")
     prompts = read_prompts(args, ck.tok)
     t0 = time.perf_counter()
-    results = collect(decode(prompts, Knob(args.tau)), len(prompts))
+    results = collect(decode(prompts, knob), len(prompts))
     dt = time.perf_counter() - t0
     for r in results:
         tpf = round(len(r.ids) / r.forwards, 4)

@@ -21,6 +21,11 @@ temperature, but `p = softmax(logits)` scores it; entropy and margin use the sam
 the confidence stays the raw probability of it, so temperature 0 is the greedy rule of §5.3
 exactly, whereas the processed distribution tends to one-hot (confidence 1: accept all).
 
+How a token is drawn: torch.multinomial on the processed distribution, the call HF's
+generate(do_sample=True) makes (so one Generator reproduces HF's draws token for token), not
+the authors' float64 Gumbel-max trick (the same distribution when top-k and top-p are off;
+theirs has neither). Note HF's GenerationConfig defaults to top_k = 50; ours is 0 (off).
+
 Random numbers: `gens` is either a list of torch.Generators, one per row (the decoders'
 use: each row consumes only its own stream, in an order that depends on the row alone, so a
 row decoded in a batch equals the same row decoded alone with the same generator seed), or
@@ -58,7 +63,8 @@ def check_sampling(s):
     """Raise ValueError naming the flag for any setting a user can get wrong."""
     t, k, p = s.temperature, s.top_k, s.top_p
     if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):  # also rejects NaN
-        raise ValueError(f"--temperature must be >= 0, got {t}")
+        raise ValueError(f"--temperature must be >= 0, got {t:g}" if isinstance(t, float) else
+                         f"--temperature must be >= 0, got {t!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"--top-k must be an integer >= 0 (0 = off), got {k}")
     if not (isinstance(p, int | float) and 0 < p <= 1):  # also rejects NaN
@@ -67,6 +73,9 @@ def check_sampling(s):
         raise ValueError(f"--seed must be an integer, got {s.seed!r}")
     if s.accept_metric not in METRICS:
         raise ValueError(f"--accept-metric must be one of {', '.join(METRICS)}, got {s.accept_metric!r}")
+
+
+GREEDY = Sampling()  # temperature 0: the default of every decoder (the greedy rule of §5)
 
 
 def row_generators(seed, n_rows, device):
@@ -101,9 +110,12 @@ def processed_probs(logits, s):
 # ---------------------------------------------------------------- draws
 def categorical(probs, gens):
     """One draw per distribution: probs (N, ..., V) -> tokens (N, ...). gens: one
-    Generator (the batch consumes it in row-major order) or a list, one per row N."""
+    Generator (the batch consumes it in row-major order) or a list, one per row N; None
+    only for one-hot distributions (temperature 0): their argmax, no randomness used."""
     V = probs.shape[-1]
     draw = lambda pr, g: torch.multinomial(pr.reshape(-1, V), 1, generator=g).view(pr.shape[:-1])
+    if gens is None:
+        return probs.argmax(-1)
     if isinstance(gens, torch.Generator):
         return draw(probs, gens)
     if len(gens) != probs.shape[0]:
@@ -176,7 +188,8 @@ def speculative_accept(p, q, d, n, gens):
     accepted draw it from p after the last draft. -> a (N,) accepted, next_token (N,).
     The emitted d_1..d_a, next is distributed exactly as AR sampling from p.
     Randomness per row: n[b] uniforms, then one categorical draw. One-hot p and q
-    (temperature 0) give the greedy rule: accept while d_i == argmax, then the argmax."""
+    (temperature 0) give the greedy rule: accept while d_i == argmax, then the argmax,
+    whatever the random numbers; gens=None (temperature 0 only) draws none."""
     N, k = d.shape
     if k == 0:
         return torch.zeros(N, dtype=torch.long, device=d.device), categorical(p[:, 0], gens)
@@ -194,7 +207,10 @@ def speculative_accept(p, q, d, n, gens):
 
 def _uniforms(N, k, n, gens, device):
     """U[0, 1) numbers for the accept tests: (N, k). Per-row generators draw n[b] each
-    (padding is never tested), so a row's stream does not depend on the batch's k."""
+    (padding is never tested), so a row's stream does not depend on the batch's k.
+    gens=None (one-hot p, q: p(d)/q(d) is 0 or 1) -> zeros: the test is then exact."""
+    if gens is None:
+        return torch.zeros(N, k, device=device)
     if isinstance(gens, torch.Generator):
         return torch.rand(N, k, generator=gens, device=device)
     u = torch.ones(N, k, device=device)

@@ -103,9 +103,9 @@ def test_draft_threshold_keeps_the_leading_run():
             probs[i, (i + 1) % 4] = p
         return probs.log()
     logits = torch.stack([masks(0.9, 0.4, 0.8), masks(0.4, 0.9, 0.9), masks(0.6, 0.6, 0.6)])  # (3, 3, 4)
-    assert exact.draft(logits, 0.5) == [[1], [], [1, 2, 3]]  # stop at the first p < 0.5
-    assert exact.draft(logits, 0.0) == [[1, 2, 3]] * 3
-    assert exact.draft(logits, 1.0) == [[], [], []]
+    assert exact.draft(logits, 0.5)[0] == [[1], [], [1, 2, 3]]  # stop at the first p < 0.5
+    assert exact.draft(logits, 0.0)[0] == [[1, 2, 3]] * 3
+    assert exact.draft(logits, 1.0)[0] == [[], [], []]
 
 
 # ---------------------------------------------------------------- one step = many causal forwards

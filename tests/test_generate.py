@@ -274,6 +274,15 @@ BAD_INPUT = {  # CLI arguments overriding a valid call -> the message naming the
     "missing checkpoint": (["--ckpt", "/nonexistent/ckpt"], "checkpoint directory not found"),
     "no mask id": (["--mask-id", None], "--mask-id is required"),
     "text prompt, no tokenizer": (["--prompt-ids", None, "--prompt", "Hi"], "no tokenizer files"),
+    "temperature negative": (["--temperature", "-1"], "error: --temperature must be >= 0, got -1"),
+    "top-p zero": (["--top-p", "0"], "error: --top-p must be in (0, 1], got 0.0"),
+    "top-p above one": (["--top-p", "1.5"], "error: --top-p must be in (0, 1], got 1.5"),
+    "top-k negative": (["--top-k", "-1"], "error: --top-k must be an integer >= 0 (0 = off), got -1"),
+    "unknown metric": (["--accept-metric", "confidence"],
+                       "error: --accept-metric must be one of probability, entropy, margin, "
+                       "got 'confidence'"),
+    "entropy tau negative": (["--accept-metric", "entropy", "--tau", "-1"],
+                             "tau must be >= 0 for the entropy metric (0 = AR)"),
 }
 
 

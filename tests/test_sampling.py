@@ -129,7 +129,7 @@ def test_temperature_zero_is_todays_argmax_and_uses_no_randomness():
 def test_probability_confidence_at_temperature_zero_is_the_greedy_rule():
     x = random_logits(9, 40, 30, "normal").view(5, 8, 30).to(torch.bfloat16)
     c = pick(x, Sampling(), None)
-    expected = x.float().softmax(-1).gather(-1, c[..., None])[..., 0]  # generate.candidates today
+    expected = x.float().softmax(-1).gather(-1, c[..., None])[..., 0]  # decoding.candidates before sampling
     assert torch.equal(confidence(x, c, "probability"), expected)
 
 
@@ -298,7 +298,7 @@ def test_joint_ar_reference_is_the_product():
 
 def test_speculative_rule_at_temperature_zero_is_the_greedy_rule():
     """One-hot p (argmax of the AR logits) and q (at the drafts): accepted = the leading run
-    of d_i == argmax after d_{i-1}, next = the argmax after the last accepted (exact.verify)."""
+    of d_i == argmax after d_{i-1}, next = the argmax after the last accepted (the greedy exact.verify)."""
     N, k, V = 500, 4, 6
     g = torch.Generator().manual_seed(7)
     ar_logits = torch.randint(-2, 3, (N, k + 1, V), generator=g).float()  # ties: first index
