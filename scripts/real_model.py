@@ -650,7 +650,7 @@ def side_by_side(run, ev, n=3):
 def report(run, ev):
     a, b, c, d = (ev[k]["result"] for k in EVALS)
     S, cfg = run.train_settings(), run.cfg
-    f = lambda v, n=3: f"{v:.{n}f}" if isinstance(v, float) else str(v)
+    f = lambda v, n=3: f"{v:.{n}f}" if isinstance(v, float) else "-" if v is None else str(v)
     nll_rows = [[name, f"{m['identical']:.0%}", f(m["common_prefix"], 1), f(m["mean_len"], 1),
                  f(m["nll_human_chat"]), f(m["nll_human_plain"]), f(m["nll_base_replies"])]
                 for name, m in (("base", a["base"]), ("mars", a["mars"]))]
@@ -687,6 +687,7 @@ def report(run, ev):
                      tau09["tokens_per_forward"] >= 1.5],
                     ["tau = 0.9: >= 90 % identical to tau = 1", f"{tau09['identical']:.0%}",
                      tau09["identical"] >= 0.9]]
+    targets = [[t, ours, "yes" if ok else "no"] for t, ours, ok in targets]
     stage_rows = [[s, f"{run.manifest[s]['elapsed_s'] / 60:.1f} min" +
                    (" (resumed)" if run.manifest[s].get("resumed") else "")]
                   for s in STAGES if s in run.manifest]
