@@ -54,7 +54,8 @@ from util.atomic import replace_dir, write_json, write_text
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_DIR = "out/smollm2"
 SMOKE = {"n_train": 6, "n_heldout": 4, "n_human": 4, "max_new_tokens": 12, "gen_batch": 4,
-         "n_eval": 4, "n_exact": 2, "n_curve": 2, "taus": [1.0, 0.9], "drafts": [1, 2],
+         "n_eval": 4, "n_exact": 2, "n_curve": 2, "taus": [1.0, 0.9], "taus_base": [1.0, 0.9],
+         "drafts": [1, 2], "prompt_lookup": [10],
          "train": {"mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "ckpt_interval": 1,
                    "eval_interval": 1, "eval_rows": 2}}
 STAGES = ("convert", "prompts", "replies", "arrays", "train", "eval", "results")
@@ -411,7 +412,8 @@ def eval_quality(run):
 
 
 def eval_taus(run):
-    """(b) the τ sweep of the MARS model (B of training, window cache), and the base at each τ."""
+    """(b) the τ sweep of the MARS model (B of training, window cache), and of the base at a
+    few τ (its masks are untrained: what the τ rule does without MARS)."""
     held, _ = eval_inputs(run)
     texts = [r["messages"][0]["content"] for r in held]
     base, tok = open_model(BASE_DIR, run)
@@ -420,7 +422,7 @@ def eval_taus(run):
     for name, path in (("mars", run.path("train", "mars")), ("base", BASE_DIR)):
         model = base if name == "base" else open_model(path, run)[0]
         rows, ref = [], None
-        for tau in run.cfg["taus"]:
+        for tau in run.cfg["taus"] if name == "mars" else run.cfg["taus_base"]:
             ids = [chat_ids(tok, t) for t in texts]
             outs, fw = [None] * len(ids), 0
             for idx in chunks([len(t) for t in texts], run.cfg["gen_batch"]):
@@ -549,8 +551,9 @@ EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, 
 
 
 def stage_eval(run):
-    key = digest("eval", {k: run.cfg[k] for k in ("n_eval", "n_exact", "n_curve", "taus", "drafts",
-                                                   "prompt_lookup", "max_new_tokens", "gen_batch")},
+    names = ("n_eval", "n_exact", "n_curve", "taus", "taus_base", "drafts", "prompt_lookup", "max_new_tokens",
+             "gen_batch")
+    key = digest("eval", {k: run.cfg[k] for k in names},
                  run.manifest.get("train", {}).get("key"))
     outs = {name: run.path("eval", f"{name}.json") for name in EVALS}
     run.stage("eval", key, list(outs.values()), lambda: make_eval(run, key, outs))
