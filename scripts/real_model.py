@@ -43,13 +43,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from checkpoint import load_checkpoint
 from data import prompts as prompt_data
 from data.prepare import prepare, save_npz
 from exact import generate_exact
-from generate import generate, generate_ar
-from model import Qwen2
+from generate import generate, generate_ar, mars_decode
 from tokenizer import Tokenizer
-from util.atomic import replace_dir, write_json, write_text
+from util.atomic import atomic_write, replace_dir, write_json, write_text
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_DIR = "out/smollm2"
@@ -130,8 +130,8 @@ class Run:
 
 def open_model(path, run, base=BASE_DIR):
     """(model, tokenizer) in the run's device and dtype; the tokenizer is the base model's."""
-    dtype = getattr(torch, run.cfg["dtype"])
-    return Qwen2.from_pretrained(path, dtype, run.cfg["device"]).eval(), Tokenizer.from_dir(base)
+    ck = load_checkpoint(path, run.cfg["device"], getattr(torch, run.cfg["dtype"]))
+    return ck.model, Tokenizer.from_dir(base)
 
 
 def eos_of(tok):
@@ -616,9 +616,8 @@ def plot_taus(res, path):
            title="SmolLM2-135M-Instruct: the tau sweep")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp", format="png", dpi=110)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), "wb")
     plt.close(fig)
-    os.replace(path + ".tmp", path)
 
 
 def table(head, rows):
@@ -628,11 +627,8 @@ def table(head, rows):
 
 def bracketed(run, model, tok, ids, tau):
     """A reply with the tokens accepted by one forward together in [brackets] (batch 1)."""
-    import generate as gen
-
-    steps_of = getattr(gen, "mars_decode", None) or gen.mars_steps  # named mars_steps before issue 13
     parts = []
-    for step in steps_of(model, [ids], block_size=run.train_settings()["block_size"], tau=tau,
+    for step in mars_decode(model, [ids], block_size=run.train_settings()["block_size"], tau=tau,
                          max_new_tokens=run.cfg["max_new_tokens"], mask_id=tok.mask_id, eos_ids=eos_of(tok)):
         t = [x for x in step.tokens[0] if x not in eos_of(tok)]
         if t:
