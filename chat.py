@@ -33,8 +33,10 @@ class Printer:
     def __init__(self, tok, eos_ids, colour):
         self.tok, self.eos_ids, self.colour = tok, set(eos_ids), colour
         self.ids, self.shown, self.n = [], "", 0
+        self.generated = 0  # every token the decoder emitted, EOS included (as generate.py counts)
 
     def add(self, new):
+        self.generated += len(new)
         self.ids += [t for t in new if t not in self.eos_ids]
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
@@ -112,7 +114,7 @@ def chat(tok, decode, knob, eos_ids, header=""):
             messages.pop()
             print(f"error: {e}")
             continue
-        dt, n = time.perf_counter() - t0, len(printer.ids)
+        dt, n = time.perf_counter() - t0, printer.generated
         messages.append({"role": "assistant", "content": tok.decode(printer.ids)})
         print(f"\n[{n} tokens, {step.forwards} forwards, {n / step.forwards:.2f} tokens/forward, "
               f"{n / dt:.1f} tokens/s]")

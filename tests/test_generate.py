@@ -345,7 +345,7 @@ def test_chat_keeps_the_conversation_and_reads_tau_per_reply(tmp_path):
                         "--block-size", "4", "--max-new-tokens", "10"], cwd=ROOT, input=stdin, text=True,
                        capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
-    n1, n2 = (len([t for t in ids if t not in eos]) for ids in (ids1, ids2))
+    n1, n2 = len(ids1), len(ids2)  # tokens generated, EOS included: the count generate.py prints
     assert f"> {text1}\n[{n1} tokens, {len(counts1)} forwards," in p.stdout, p.stdout
     assert "> tau = 0.5\n> error: /tau needs a number > 0" in p.stdout, p.stdout
     assert f"> {text2}\n[{n2} tokens, {len(counts2)} forwards," in p.stdout, p.stdout
