@@ -36,6 +36,7 @@ interactive chat is chat.py.
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -335,8 +336,9 @@ def parse_args(argv=None):
     src.add_argument("--prompt-ids", help="raw prompt token ids, comma-separated (no template)")
     src.add_argument("--prompts-file", help="a text file, one user message per line (one batch)")
     src.add_argument("--chat", action="store_true", help="interactive chat; /tau X changes tau")
-    p.add_argument("--tau", type=float, default=0.95, help="acceptance threshold; >= 1 is plain AR "
-                   "(--accept-metric entropy: an entropy bound in nats, 0 is plain AR)")
+    p.add_argument("--tau", type=float, help="acceptance threshold; >= 1 is plain AR (--accept-metric "
+                   "entropy: an entropy bound in nats, 0 is plain AR). Default: 0.95 for a MARS-trained "
+                   "checkpoint, plain AR for one whose mars.json records no block size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this "
@@ -380,12 +382,27 @@ def block_size_of(args, ck):
     return B
 
 
+def tau_of(args, ck, metric):
+    """τ: --tau, else 0.95 (the paper's, §5) for a MARS-trained checkpoint, else plain AR: the
+    mask predictions of a model that MARS never trained are guesses (said on stderr)."""
+    if args.tau is not None:
+        return args.tau
+    if ck.block_size is not None or "mars.json" not in os.listdir(ck.path):
+        return 0.95
+    tau = 0.0 if metric == "entropy" else 1.0
+    print(f"[tau={tau} (plain AR): {ck.path}/mars.json records no block size, the model is not "
+          "MARS-trained; give --tau to override]", file=sys.stderr)
+    return tau
+
+
 def run(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
-    check_tau(args.tau, sampling.accept_metric)
+    if args.tau is not None:
+        check_tau(args.tau, sampling.accept_metric)
     ck = load_checkpoint(args.ckpt, args.device, getattr(torch, args.dtype))
+    args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")
     mask_id = args.mask_id if args.mask_id is not None else ck.mask_id
