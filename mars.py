@@ -9,6 +9,7 @@ the method is in how one batch is laid out and which tokens may see which:
   collate            rows -> right-padded (N, l) tensors (§2)
   noisy_stream       every loss-carrying token -> <|mask|> (§3)
   mars_attention_mask  the (2l, 2l) mask over [clean | noisy] (§3)
+  two_stream_mask    the same mask as attention runs it: clean rows causal, noisy rows kept
   two_stream_batch   inputs and shared position ids of the 2l-token forward (§3)
   mars_loss          one forward, CE_noisy + w * CE_clean per target (§4)
   ar_loss            the plain AR SFT loss of the stage before MARS (§2)
@@ -17,8 +18,12 @@ Convention used everywhere (right shift, §3): `labels[:, i]` is the TARGET toke
 index i, or -100; it is predicted by the output at index i-1 of the same stream.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from model import TwoStreamMask
 
 IGNORE = -100  # label of a position that carries no loss (HF / PyTorch convention)
 
@@ -110,6 +115,19 @@ def mars_attention_mask(l: int, block_size: int, bidirectional: bool = False, de
     return clean_clean | noisy_noisy | noisy_clean  # clean q -> noisy k: never
 
 
+@functools.lru_cache(maxsize=64)
+def two_stream_mask(l: int, block_size: int, bidirectional: bool = False, device=None):
+    """mars_attention_mask as attention runs it (model.TwoStreamMask), built once per
+    (l, B, bidirectional, device) and cached: not every step.
+
+    The clean rows of the mask are plain causal over the clean stream and never see a
+    noisy key (§3), so the clean stream's attention is exactly AR's (sdpa's own causal
+    mask, l x l); only the noisy rows (l, 2l) are kept as a tensor. The full (2l, 2l)
+    mask is never handed to attention.
+    """
+    return TwoStreamMask(mars_attention_mask(l, block_size, bidirectional, device)[l:].clone())
+
+
 def two_stream_batch(ids, labels, mask_id: int):
     """inputs (N, 2l) = [clean | noisy] and position ids (N, 2l) = [0..l-1 | 0..l-1] (§3).
 
@@ -155,26 +173,32 @@ def _per_sequence_mean(ce, rows, n_rows: int):
 
 
 def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
-              bidirectional: bool = False):
+              bidirectional: bool = False, two_stream: bool = True):
     """The MARS loss (§3-§4) of a batch: (loss, l_mask, l_ar), loss = l_mask + w * l_ar.
 
     ids, labels (N, l), l a multiple of B (collate). One forward over [clean | noisy]
-    with mars_attention_mask; both streams right-shifted. Per loss-carrying target t
-    the loss is CE_noisy(t) + w * CE_clean(t), normalised per sequence by its number
-    of loss tokens, then averaged over the batch. l_mask (noisy part) and l_ar (clean
-    part, the AR signal that keeps the model an AR model) use the same normalisation.
+    with mars_attention_mask (run as two_stream_mask); both streams right-shifted. Per
+    loss-carrying target t the loss is CE_noisy(t) + w * CE_clean(t), normalised per
+    sequence by its number of loss tokens, then averaged over the batch. l_mask (noisy
+    part) and l_ar (clean part, the AR signal that keeps the model an AR model) use the
+    same normalisation.
 
     w = 0 is the "w/o L_AR" ablation: the clean stream still runs (noisy queries read
     its keys) but its LM head / CE is skipped, and l_ar is returned as NaN ("not
     computed"). The released code also multiplies each row's noisy loss by 1/t,
     t ~ U[1e-3, 1): a leftover of diffusion training that we do not apply.
     bidirectional = True is the "Block Diffusion style" ablation (§4).
+    two_stream = False hands attention the full (2l, 2l) mask instead of two_stream_mask:
+    the same loss and gradients, slower (the reference of tests/test_fast_paths.py).
     """
     N, l = ids.shape
     if l % block_size:
         raise ValueError(f"row length {l} is not a multiple of block_size {block_size} (use pad_row)")
     inputs, position_ids = two_stream_batch(ids, labels, mask_id)  # (N, 2l) each
-    mask = mars_attention_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
+    if two_stream:
+        mask = two_stream_mask(l, block_size, bidirectional, ids.device)
+    else:  # the reference: the full mask as one tensor, one masked attention over 2l tokens
+        mask = mars_attention_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
     h = model.hidden(inputs, position_ids, mask)  # (N, 2l, C)
     rows, src, tokens = _targets(labels)
     l_mask = _per_sequence_mean(_ce_at(model, h, rows, l + src, tokens), rows, N)
