@@ -152,11 +152,11 @@ CAUSAL = "causal"  # build_mask's mask for plain causal attention over T == S to
 class TwoStreamMask:
     """The mask of an input [first stream, l tokens | second stream] whose first l queries
     are plain causal over the first l keys and see no key after them: the clean stream of
-    MARS training (MARS_SPEC §3, built by mars.two_stream_mask). Attention then runs as two
+    MARS training (MARS_SPEC §3, built by mars.two_stream_window). Attention then runs as two
     calls, causal over the first l tokens (no mask tensor, as plain AR), and the second
     stream's queries against all T keys with the explicit `rows`; the (T, T) mask is never
     materialised. Equal to the full mask as a tensor (tests/test_fast_paths.py)."""
-    rows: torch.Tensor  # (T - l, T) bool: the mask rows of the second stream's queries
+    rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
 
 
 def attend(q, k, v, mask, scale):
@@ -165,9 +165,10 @@ def attend(q, k, v, mask, scale):
     fp32 inside sdpa. mask: a bool tensor (N or 1, 1, T, S), True = may attend; None =
     every key; CAUSAL (T == S, sdpa's own causal mask); or a TwoStreamMask."""
     if isinstance(mask, TwoStreamMask):
-        l = q.shape[2] - mask.rows.shape[0]
+        l = q.shape[2] - mask.rows.shape[-2]
+        rows = mask.rows if mask.rows.dim() == 2 else mask.rows[:, None]  # (1 or N, 1, T - l, T)
         first = attend(q[:, :, :l], k[:, :, :l], v[:, :, :l], CAUSAL, scale)  # (N, nh, l, hd)
-        return torch.cat([first, attend(q[:, :, l:], k, v, mask.rows, scale)], dim=2)
+        return torch.cat([first, attend(q[:, :, l:], k, v, rows, scale)], dim=2)
     if k.shape[1] != q.shape[1] and isinstance(mask, torch.Tensor) and q.is_cuda:
         # CUDA's fused kernels that take a mask do not take grouped heads (sdpa would fall
         # back to its slow math path): share the kv heads by copying them instead

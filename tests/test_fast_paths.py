@@ -1,11 +1,12 @@
 """Proofs that the fast paths of the forward compute what the plain ones compute.
 
-  * MARS training (MARS_SPEC §3): attention run as two streams (model.TwoStreamMask:
-    the clean stream plain causal over l tokens, only the noisy queries masked over 2l)
-    gives the loss and every parameter gradient of the single forward with the full
-    (2l, 2l) mask tensor, fp32, for several (l, B), both ablations, w = 0 and 1, and
-    ragged padding. The split itself is exact: the clean rows of the full mask are
-    causal over the clean stream and empty over the noisy one.
+  * MARS training (MARS_SPEC §3): the forward as it is run (mars.two_stream_window: the
+    clean stream plain causal over l tokens; the noisy stream cut to the blocks the loss
+    reads, its queries masked over [clean | kept noisy]) gives the loss and every
+    parameter gradient of the single forward over all 2l tokens with the full (2l, 2l)
+    mask tensor, for several (l, B), both ablations, w = 0 and 1, and ragged padding.
+    Why it may: the clean rows of the full mask are causal over the clean stream and
+    empty over the noisy one; the window keeps whole blocks around every loss output.
   * Plain causal attention without a mask tensor (sdpa's own causal mask) equals the
     explicit lower-triangular mask.
   * With a KV cache, the causal mask built from arithmetic equals the general
@@ -23,7 +24,15 @@ import pytest
 import torch
 
 from kvcache import KVCache
-from mars import collate, mars_attention_mask, mars_loss, pad_row, two_stream_mask
+from mars import (
+    cached_mask,
+    collate,
+    mars_attention_mask,
+    mars_loss,
+    noisy_window,
+    pad_row,
+    two_stream_window,
+)
 from model import Qwen2, Qwen2Config, build_mask, init_weights
 
 MASK, EOS, PAD = 63, 62, 61  # special ids of the 64-token vocab
@@ -56,13 +65,30 @@ def close(a, b, rel=REL):
 
 @pytest.mark.parametrize("l,B", [(8, 4), (12, 4), (6, 2), (16, 8), (5, 1), (9, 3), (1, 1)])
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_two_stream_split_of_the_mask_is_exact(l, B, bidirectional):
+def test_clean_rows_of_the_mask_are_plain_causal(l, B, bidirectional):
+    """What lets the clean stream run as plain causal attention, apart from the noisy one."""
     full = mars_attention_mask(l, B, bidirectional)
-    causal = torch.ones(l, l, dtype=torch.bool).tril()
-    assert torch.equal(full[:l, :l], causal)  # clean q -> clean k: plain causal
+    assert torch.equal(full[:l, :l], torch.ones(l, l, dtype=torch.bool).tril())  # clean q -> clean k
     assert not full[:l, l:].any()  # clean q -> noisy k: never
-    assert torch.equal(two_stream_mask(l, B, bidirectional).rows, full[l:])  # the rest, as is
-    assert two_stream_mask(l, B, bidirectional) is two_stream_mask(l, B, bidirectional)  # built once
+
+
+@pytest.mark.parametrize("B,lengths", [(4, (13, 7, 20)), (2, (9, 6)), (1, (6, 11)), (3, (16, 4, 10))])
+def test_noisy_window_keeps_every_loss_output_and_its_block(B, lengths):
+    ids, labels = ragged_batch(B, lengths, seed=B)
+    N, l = ids.shape
+    start, W = noisy_window(labels, B)
+    assert W % B == 0 and W < l  # whole blocks, and fewer than all of them here
+    for r in range(N):
+        assert start[r] % B == 0 and 0 <= start[r] and start[r] + W <= l
+        outputs = [i - 1 for i in range(1, l) if labels[r, i] != -100]  # noisy outputs the loss reads
+        assert start[r] <= min(outputs) and max(outputs) < start[r] + W
+    inputs, positions, mask, start = two_stream_window(ids, labels, MASK, B)
+    kept = torch.cat([torch.arange(l).expand(N, l), l + start[:, None] + torch.arange(W)], 1)  # (N, l + W)
+    full = mars_attention_mask(l, B)
+    for r in range(N):  # the kept tokens' rows and columns of the full mask, as they are
+        assert torch.equal(mask.rows[r], full[kept[r, l:]][:, kept[r]])
+        assert torch.equal(positions[r], kept[r] % l)
+    assert cached_mask(l, B, False, ids.device) is cached_mask(l, B, False, ids.device)  # built once
 
 
 @pytest.mark.parametrize("B,lengths", [(4, (13, 7, 20)), (2, (9, 6)), (8, (21, 5)), (1, (6, 11)),
@@ -70,7 +96,8 @@ def test_two_stream_split_of_the_mask_is_exact(l, B, bidirectional):
 @pytest.mark.parametrize("bidirectional", [False, True])
 @pytest.mark.parametrize("w", [1.0, 0.0])
 @pytest.mark.parametrize("dtype,std,rel", [(torch.float32, 0.02, REL), (torch.float64, 0.3, REL64)])
-def test_two_stream_loss_and_gradients_equal_full_mask(B, lengths, bidirectional, w, dtype, std, rel):
+@pytest.mark.parametrize("trim", [False, True])
+def test_two_stream_loss_and_gradients_equal_full_mask(B, lengths, bidirectional, w, dtype, std, rel, trim):
     ids, labels = ragged_batch(B, lengths, seed=B)
     assert (ids == PAD).any()  # really ragged
     for seed, n_kv in [(0, 2), (1, 4)]:  # grouped-query and plain multi-head attention
@@ -78,7 +105,7 @@ def test_two_stream_loss_and_gradients_equal_full_mask(B, lengths, bidirectional
         out = {}
         for two_stream in (True, False):
             model.zero_grad(set_to_none=True)
-            loss, l_mask, l_ar = mars_loss(model, ids, labels, MASK, B, w, bidirectional, two_stream)
+            loss, l_mask, l_ar = mars_loss(model, ids, labels, MASK, B, w, bidirectional, two_stream, trim)
             loss.backward()
             out[two_stream] = (loss.detach(), l_mask.detach(), l_ar,
                                {k: p.grad.clone() for k, p in model.named_parameters()})
