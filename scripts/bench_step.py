@@ -163,15 +163,15 @@ def bench_decode(ckpt, batch, n, repeats):
         step += decode_step_times(model, prompts, n)
         fwd += forward_times(model, prompts, n)
         kern.append(forward_times(model, prompts, n, profile=True))
-    s, f, k = med(step, 0), med(fwd, 0), 1000 * statistics.median(kern)
+    k = 1000 * statistics.median(kern)
     print(f"decode: {ckpt or 'random default-size model'} ({model.num_params() / 1e6:.2f}M params, "
           f"{cfg.num_hidden_layers} layers, width {cfg.hidden_size}, vocab {cfg.vocab_size}), batch {batch}, "
           f"prompts 32-48 tokens, {n} new tokens, medians over {repeats} runs")
-    print(f"  step (generate.ar_steps)          {s:7.3f} ms wall  {med(step, 1):7.3f} ms cpu")
-    print(f"  forward (hidden + LM head)        {f:7.3f} ms wall  {med(fwd, 1):7.3f} ms cpu")
-    print(f"  kernels (mm, addmm, sdpa)         {k:7.3f} ms (profiler self time)")
-    print(f"  loop overhead   = step - forward  {s - f:7.3f} ms")
-    print(f"  forward overhead = forward - kernels {f - k:5.3f} ms")
+    print(f"  step (generate.ar_steps)          {med(step, 0):7.3f} ms wall  {med(step, 1):7.3f} ms cpu")
+    print(f"  forward (hidden + LM head)        {med(fwd, 0):7.3f} ms wall  {med(fwd, 1):7.3f} ms cpu")
+    print(f"  kernels (mm, addmm, sdpa)         {k:7.3f} ms cpu (profiler self time)")
+    print(f"  loop overhead    = step - forward   {med(step, 1) - med(fwd, 1):7.3f} ms cpu")
+    print(f"  forward overhead = forward - kernels {med(fwd, 1) - k:6.3f} ms cpu")
 
 
 def main():
