@@ -1,15 +1,15 @@
 """A preallocated key/value cache with explicit per-row lengths (MARS_SPEC §6).
 
 Layout: K and V are (n_layers, N, n_kv_heads, max_len, head_dim) tensors allocated
-once (N rows). Row b's committed tokens occupy slots 0 .. lengths[b]-1; their position id is
+once, N rows. Row b's committed tokens occupy slots 0 .. lengths[b]-1; their position id is
 their slot index (rows are right-padded, never left-padded, so a row's tokens start
 at slot 0 and no slot inside the committed range is padding).
 
 A forward pass with T new tokens *writes* their K/V at slots lengths[b] ..
 lengths[b]+T-1 of each row (model.hidden calls `begin(T)` once to place them, then
 each layer's Attention calls `write`), and attention sees the committed prefix plus
-those T slots. Nothing is committed as a side effect: the
-caller then says how many of the T tokens to keep with `commit(n)` (n per row).
+those T slots. Nothing is committed as a side effect: the caller then says how many of
+the T tokens to keep with `commit(n)` (n per row).
 That single rule gives every cache mode of the spec:
 
   * AR decoding: forward 1 token, commit 1.

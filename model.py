@@ -213,7 +213,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def build_mask(T, attn_mask=None, cache=None, device=None):
+def build_mask(T, attn_mask=None, cache=None):
     """The mask handed to attention (see `attend`) for T new tokens.
 
     `attn_mask` relates the T tokens of this call to each other, (T, T) or (N, T, T) bool,
@@ -277,7 +277,7 @@ class Qwen2(nn.Module):
             position_ids = torch.arange(T, device=idx.device)[None].expand(N, T)
             if cache is not None:
                 position_ids = position_ids + cache.lengths[:, None]
-        mask = build_mask(T, attn_mask, cache, idx.device)
+        mask = build_mask(T, attn_mask, cache)
         x = self.model.embed_tokens(idx)  # (N, T, C)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         for layer in self.model.layers:
