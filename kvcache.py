@@ -1,14 +1,15 @@
 """A preallocated key/value cache with explicit per-row lengths (MARS_SPEC §6).
 
-Layout: K and V are (n_layers, B, n_kv_heads, max_len, head_dim) tensors allocated
-once. Row b's committed tokens occupy slots 0 .. lengths[b]-1; their position id is
+Layout: K and V are (n_layers, N, n_kv_heads, max_len, head_dim) tensors allocated
+once, N rows. Row b's committed tokens occupy slots 0 .. lengths[b]-1; their position id is
 their slot index (rows are right-padded, never left-padded, so a row's tokens start
 at slot 0 and no slot inside the committed range is padding).
 
 A forward pass with T new tokens *writes* their K/V at slots lengths[b] ..
-lengths[b]+T-1 of each row (model.Attention calls `write`), and attention sees the
-committed prefix plus those T slots. Nothing is committed as a side effect: the
-caller then says how many of the T tokens to keep with `commit(n)` (n per row).
+lengths[b]+T-1 of each row (model.hidden calls `begin(T)` once to place them, then
+each layer's Attention calls `write`), and attention sees the committed prefix plus
+those T slots. Nothing is committed as a side effect: the caller then says how many of
+the T tokens to keep with `commit(n)` (n per row).
 That single rule gives every cache mode of the spec:
 
   * AR decoding: forward 1 token, commit 1.
@@ -30,6 +31,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.T = None  # tokens placed by `begin` for the next forward; None = nothing placed
 
     @classmethod
     def for_model(cls, model, batch_size, max_len):
@@ -38,23 +40,38 @@ class KVCache:
         return cls(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
                    max_len, p.dtype, p.device)
 
+    def begin(self, T):
+        """Place the T new tokens of the next forward at slots lengths[b] .. lengths[b]+T-1,
+        once for all layers (model.hidden calls it). Sets `end` = max(lengths) + T, the
+        slots attention reads, and `at` = the common length when every row has the same
+        one (a write is then a plain slice; batch 1 always), else None."""
+        lo, hi = torch.aminmax(self.lengths)
+        lo, hi = int(lo), int(hi)  # one device sync per forward, not one per layer
+        if hi + T > self.max_len:
+            raise ValueError(f"KV cache overflow: need {hi + T} slots, allocated max_len={self.max_len}")
+        self.T, self.end, self.at = T, hi + T, lo if lo == hi else None
+        self.slots = None if lo == hi else self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+
     def write(self, layer, k_new, v_new):
-        """Store k_new/v_new (B, nkv, T, hd) at slots lengths[b].. of each row; return the
-        K/V of slots 0 .. max(lengths)+T-1 (B, nkv, S, hd) for attention."""
-        T = k_new.shape[2]
-        end = int(self.lengths.max()) + T
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: need {end} slots, allocated max_len={self.max_len}")
-        slots = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)  # (B, T)
-        idx = slots[:, None, :, None].expand_as(k_new)
-        self.k[layer].scatter_(2, idx, k_new)
-        self.v[layer].scatter_(2, idx, v_new)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        """Store k_new/v_new (N, nkv, T, hd) at the slots `begin(T)` placed; return the K/V
+        of slots 0 .. max(lengths)+T-1 (N, nkv, S, hd) for attention."""
+        if k_new.shape[2] != self.T:
+            raise ValueError(f"write of {k_new.shape[2]} tokens, but begin() placed {self.T}")
+        if self.at is not None:
+            self.k[layer, :, :, self.at:self.end] = k_new
+            self.v[layer, :, :, self.at:self.end] = v_new
+        else:
+            idx = self.slots[:, None, :, None].expand_as(k_new)  # (N, nkv, T, hd)
+            self.k[layer].scatter_(2, idx, k_new)
+            self.v[layer].scatter_(2, idx, v_new)
+        return self.k[layer, :, :, :self.end], self.v[layer, :, :, :self.end]
 
     def commit(self, n):
-        """Keep the first n[b] tokens of the last forward of row b (n: int or (B,) tensor)."""
+        """Keep the first n[b] tokens of the last forward of row b (n: int or (N,) tensor)."""
         self.lengths += torch.as_tensor(n, dtype=torch.long, device=self.lengths.device)
+        self.T = None
 
     def truncate(self, lengths):
-        """Forget everything past `lengths` (B,) — e.g. rejected tokens."""
+        """Forget everything past `lengths` (N,) — e.g. rejected tokens."""
         self.lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).clone()
+        self.T = None

@@ -151,9 +151,9 @@ def rope_inv_freq(cfg: Qwen2Config, device=None):
 
 
 def rope_cos_sin(position_ids, inv_freq, dtype):
-    """cos/sin tables for rotate-half RoPE. position_ids (B, T) -> (B, 1, T, hd) each."""
-    freqs = position_ids[..., None].float() * inv_freq  # (B, T, hd/2), fp32
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+    """cos/sin tables for rotate-half RoPE. position_ids (N, T) -> (N, 1, T, hd) each."""
+    freqs = position_ids[..., None].float() * inv_freq  # (N, T, hd/2), fp32
+    emb = torch.cat((freqs, freqs), dim=-1)  # (N, T, hd)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
@@ -174,22 +174,52 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache=None):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        N, T, _ = x.shape
+        q = self.q_proj(x).view(N, T, self.n_head, self.hd).transpose(1, 2)  # (N, nh, T, hd)
+        k = self.k_proj(x).view(N, T, self.n_kv, self.hd).transpose(1, 2)  # (N, nkv, T, hd)
+        v = self.v_proj(x).view(N, T, self.n_kv, self.hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             # the new K/V go into the cache slots right after each row's committed
             # tokens; we attend over the cached prefix plus these new slots
-            k, v = cache.write(self.layer_idx, k, v)  # (B, nkv, S, hd)
-        if self.n_kv != self.n_head:  # grouped-query attention: share each kv head
-            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        # mask: (B, 1, T, S) bool, True = may attend; softmax runs in fp32 inside sdpa
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.hd ** -0.5)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+            k, v = cache.write(self.layer_idx, k, v)  # (N, nkv, S, hd)
+        y = attend(q, k, v, mask, self.hd ** -0.5)  # (N, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(N, T, self.n_head * self.hd))
+
+
+CAUSAL = "causal"  # build_mask's mask for plain causal attention over T == S tokens: no mask tensor
+
+
+@dataclass(frozen=True)
+class TwoStreamMask:
+    """The mask of an input [first stream, l tokens | second stream] whose first l queries
+    are plain causal over the first l keys and see no key after them: the clean stream of
+    MARS training (MARS_SPEC §3, built by mars.two_stream_window). Attention then runs as two
+    calls, causal over the first l tokens (no mask tensor, as plain AR), and the second
+    stream's queries against all T keys with the explicit `rows`; the (T, T) mask is never
+    materialised. Equal to the full mask as a tensor (tests/test_fast_paths.py)."""
+    rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
+
+
+def attend(q, k, v, mask, scale):
+    """Attention of q (N, nh, T, hd) over k, v (N, nkv, S, hd) -> (N, nh, T, hd), each kv
+    head shared by nh / nkv query heads (grouped-query attention). The softmax runs in
+    fp32 inside sdpa. mask: a bool tensor (N or 1, 1, T, S), True = may attend; None =
+    every key; CAUSAL (T == S, sdpa's own causal mask); or a TwoStreamMask."""
+    if isinstance(mask, TwoStreamMask):
+        l = q.shape[2] - mask.rows.shape[-2]
+        rows = mask.rows if mask.rows.dim() == 2 else mask.rows[:, None]  # (1 or N, 1, T - l, T)
+        first = attend(q[:, :, :l], k[:, :, :l], v[:, :, :l], CAUSAL, scale)  # (N, nh, l, hd)
+        return torch.cat([first, attend(q[:, :, l:], k, v, rows, scale)], dim=2)
+    if k.shape[1] != q.shape[1] and isinstance(mask, torch.Tensor) and q.is_cuda:
+        # CUDA's fused kernels that take a mask do not take grouped heads (sdpa would fall
+        # back to its slow math path): share the kv heads by copying them instead
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    causal = isinstance(mask, str)  # CAUSAL
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class MLP(nn.Module):
@@ -226,27 +256,36 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def build_mask(T, attn_mask=None, cache=None, device=None):
-    """The boolean mask handed to attention, (B or 1, 1, T, S).
+def build_mask(T, attn_mask=None, cache=None):
+    """The mask handed to attention (see `attend`) for T new tokens.
 
-    `attn_mask` relates the T tokens of this call to each other, (T, T) or (B, T, T),
-    True = may attend; None means plain causal. With a cache, every committed cached
-    token of the row is visible as well, and the new tokens sit at slots
-    lengths[b] .. lengths[b]+T-1, so the mask is placed at that offset per row.
+    `attn_mask` relates the T tokens of this call to each other, (T, T) or (N, T, T) bool,
+    True = may attend, or a TwoStreamMask; None means plain causal. With a cache (placed
+    by cache.begin), every committed cached token of the row is visible as well, and the
+    new tokens sit at slots lengths[b] .. lengths[b]+T-1, so the mask is placed at that
+    offset per row: (N, 1, T, S), S = max(lengths) + T.
     """
-    if attn_mask is None:
-        attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if cache is None:
+        if attn_mask is None:
+            return CAUSAL
+        if isinstance(attn_mask, TwoStreamMask):
+            return attn_mask
+        return attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask[:, None]
+    if isinstance(attn_mask, TwoStreamMask):
+        raise ValueError("a TwoStreamMask is a training mask: it takes no KV cache")
+    lengths, S = cache.lengths, cache.end  # (N,), int
+    if attn_mask is None and T == 1 and cache.at is not None:
+        return None  # one new token per row, all rows at the same slot: it sees every key
+    j = torch.arange(S, device=lengths.device)
+    if attn_mask is None:  # causal from each row's length: new token t sees slots <= lengths[b] + t
+        last = lengths[:, None] + torch.arange(T, device=lengths.device)  # (N, T)
+        return (j <= last[:, :, None])[:, None]  # (N, 1, T, S)
     if attn_mask.dim() == 2:
         attn_mask = attn_mask[None]
-    if cache is None:
-        return attn_mask[:, None]
-    lengths = cache.lengths  # (B,)
-    S = int(lengths.max()) + T
-    j = torch.arange(S, device=lengths.device)
-    rel = j[None, :] - lengths[:, None]  # (B, S) slot index relative to the new tokens
+    rel = j[None, :] - lengths[:, None]  # (N, S) slot index relative to the new tokens
     new = attn_mask.expand(lengths.shape[0], T, T)
     in_new = (rel >= 0) & (rel < T)
-    picked = torch.gather(new, 2, rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1))  # (B, T, S)
+    picked = torch.gather(new, 2, rel.clamp(0, T - 1)[:, None, :].expand(-1, T, -1))  # (N, T, S)
     mask = (rel < 0)[:, None, :] | (in_new[:, None, :] & picked)
     return mask[:, None]
 
@@ -265,20 +304,22 @@ class Qwen2(nn.Module):
         self.gradient_checkpointing = False
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
-        """Final-norm hidden states (B, T, C); the LM head is applied by the caller.
+        """Final-norm hidden states (N, T, C); the LM head is applied by the caller.
 
-        idx (B, T) token ids; position_ids (B, T), default: slot index (after the
+        idx (N, T) token ids; position_ids (N, T), default: slot index (after the
         cached tokens with a cache); attn_mask, see build_mask; cache: kvcache.KVCache
         (written at each row's length, never committed here: the caller decides
         which new tokens to keep, MARS_SPEC §6).
         """
-        B, T = idx.shape
+        N, T = idx.shape
+        if cache is not None:
+            cache.begin(T)  # where the T new tokens go, once for the mask and every layer's write
         if position_ids is None:
-            position_ids = torch.arange(T, device=idx.device)[None].expand(B, T)
+            position_ids = torch.arange(T, device=idx.device)[None].expand(N, T)
             if cache is not None:
                 position_ids = position_ids + cache.lengths[:, None]
-        mask = build_mask(T, attn_mask, cache, idx.device)
-        x = self.model.embed_tokens(idx)  # (B, T, C)
+        mask = build_mask(T, attn_mask, cache)
+        x = self.model.embed_tokens(idx)  # (N, T, C)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and cache is None:
@@ -288,7 +329,7 @@ class Qwen2(nn.Module):
         return self.model.norm(x)
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
-        """Logits (B, T, V) for every position."""
+        """Logits (N, T, V) for every position."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
 
     # ------------------------------------------------------------------ I/O

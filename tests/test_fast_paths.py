@@ -1,0 +1,165 @@
+"""Proofs that the fast paths of the forward compute what the plain ones compute.
+
+  * MARS training (MARS_SPEC §3): the forward as it is run (mars.two_stream_window: the
+    clean stream plain causal over l tokens; the noisy stream cut to the blocks the loss
+    reads, its queries masked over [clean | kept noisy]) gives the loss and every
+    parameter gradient of the single forward over all 2l tokens with the full (2l, 2l)
+    mask tensor, for several (l, B), both ablations, w = 0 and 1, and ragged padding.
+    Why it may: the clean rows of the full mask are causal over the clean stream and
+    empty over the noisy one; the window keeps whole blocks around every loss output.
+  * Plain causal attention without a mask tensor (sdpa's own causal mask) equals the
+    explicit lower-triangular mask.
+  * With a KV cache, the causal mask built from arithmetic equals the general
+    construction with an explicit causal mask, and "no mask" for one new token per row
+    at a common length is the same as all-true.
+Tolerances are relative to the largest magnitude of the reference tensor. The two
+training paths sum the same terms in a different order (two attention calls instead of
+one, their key/value gradients added), so in fp32 they agree to rounding, not bit for
+bit: at the default init (std 0.02) within 1e-6 (observed <= 3e-7, while either path is
+~7e-7 from the float64 result). In float64, on a peaked model (std 0.3, where fp32
+rounding reaches ~5e-6), they agree to 1e-12 (observed <= 3e-15): the algebra is exact.
+"""
+
+import pytest
+import torch
+
+from kvcache import KVCache
+from mars import (
+    cached_mask,
+    collate,
+    mars_attention_mask,
+    mars_loss,
+    noisy_window,
+    pad_row,
+    two_stream_window,
+)
+from model import Qwen2, Qwen2Config, build_mask, init_weights
+
+MASK, EOS, PAD = 63, 62, 61  # special ids of the 64-token vocab
+REL = 1e-6  # |fast - reference| <= REL * max|reference|, per tensor (fp32; observed <= 3e-7)
+REL64 = 1e-12  # the same in float64 (observed <= 3e-15)
+
+
+def tiny_model(seed, n_kv, std=0.3):
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=n_kv, max_position_embeddings=256,
+                      rope_theta=10000.0)
+    return init_weights(Qwen2(cfg), std=std, seed=seed)
+
+
+def ragged_batch(B, lengths, seed):
+    """Rows of the given lengths (prompt about a third of each), EOS-padded to a multiple of B
+    and right-padded to the longest: ragged padding, loss on each row's tail."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, 60, (n,), generator=g).tolist()
+        n_prompt = max(1, n // 3)
+        rows.append(pad_row(ids, [False] * n_prompt + [True] * (n - n_prompt), B, EOS))
+    return collate(rows, PAD)
+
+
+def close(a, b, rel=REL):
+    return (a - b).abs().max().item() <= rel * b.abs().max().item()
+
+
+@pytest.mark.parametrize("l,B", [(8, 4), (12, 4), (6, 2), (16, 8), (5, 1), (9, 3), (1, 1)])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_clean_rows_of_the_mask_are_plain_causal(l, B, bidirectional):
+    """What lets the clean stream run as plain causal attention, apart from the noisy one."""
+    full = mars_attention_mask(l, B, bidirectional)
+    assert torch.equal(full[:l, :l], torch.ones(l, l, dtype=torch.bool).tril())  # clean q -> clean k
+    assert not full[:l, l:].any()  # clean q -> noisy k: never
+
+
+@pytest.mark.parametrize("B,lengths", [(4, (13, 7, 20)), (2, (9, 6)), (1, (6, 11)), (3, (16, 4, 10))])
+def test_noisy_window_keeps_every_loss_output_and_its_block(B, lengths):
+    ids, labels = ragged_batch(B, lengths, seed=B)
+    N, l = ids.shape
+    start, W = noisy_window(labels, B)
+    assert W % B == 0 and W < l  # whole blocks, and fewer than all of them here
+    for r in range(N):
+        assert start[r] % B == 0 and 0 <= start[r] and start[r] + W <= l
+        outputs = [i - 1 for i in range(1, l) if labels[r, i] != -100]  # noisy outputs the loss reads
+        assert start[r] <= min(outputs) and max(outputs) < start[r] + W
+    inputs, positions, mask, start = two_stream_window(ids, labels, MASK, B)
+    kept = torch.cat([torch.arange(l).expand(N, l), l + start[:, None] + torch.arange(W)], 1)  # (N, l + W)
+    full = mars_attention_mask(l, B)
+    for r in range(N):  # the kept tokens' rows and columns of the full mask, as they are
+        assert torch.equal(mask.rows[r], full[kept[r, l:]][:, kept[r]])
+        assert torch.equal(positions[r], kept[r] % l)
+    assert cached_mask(l, B, False, ids.device) is cached_mask(l, B, False, ids.device)  # built once
+
+
+@pytest.mark.parametrize("B,lengths", [(4, (13, 7, 20)), (2, (9, 6)), (8, (21, 5)), (1, (6, 11)),
+                                       (3, (16, 4, 10))])
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("w", [1.0, 0.0])
+@pytest.mark.parametrize("dtype,std,rel", [(torch.float32, 0.02, REL), (torch.float64, 0.3, REL64)])
+@pytest.mark.parametrize("trim", [False, True])
+def test_two_stream_loss_and_gradients_equal_full_mask(B, lengths, bidirectional, w, dtype, std, rel, trim):
+    ids, labels = ragged_batch(B, lengths, seed=B)
+    assert (ids == PAD).any()  # really ragged
+    for seed, n_kv in [(0, 2), (1, 4)]:  # grouped-query and plain multi-head attention
+        model = tiny_model(seed, n_kv, std).to(dtype)
+        out = {}
+        for two_stream in (True, False):
+            model.zero_grad(set_to_none=True)
+            loss, l_mask, l_ar = mars_loss(model, ids, labels, MASK, B, w, bidirectional, two_stream, trim)
+            loss.backward()
+            out[two_stream] = (loss.detach(), l_mask.detach(), l_ar,
+                               {k: p.grad.clone() for k, p in model.named_parameters()})
+        (loss, l_mask, l_ar, g), (ref_loss, ref_mask, ref_ar, ref_g) = out[True], out[False]
+        assert close(loss, ref_loss, rel) and close(l_mask, ref_mask, rel)
+        assert torch.isnan(l_ar) if w == 0 else close(l_ar, ref_ar, rel)
+        for k in ref_g:
+            assert ref_g[k].abs().max().item() > 0, k  # every parameter gets a gradient
+            assert close(g[k], ref_g[k], rel), k
+
+
+def test_causal_without_mask_tensor_equals_tril_mask():
+    model = tiny_model(0, 2, std=0.02)
+    ids = torch.randint(0, 60, (3, 17), generator=torch.Generator().manual_seed(0))
+    tril = torch.ones(17, 17, dtype=torch.bool).tril()
+    grads = []
+    for mask in (None, tril):
+        model.zero_grad(set_to_none=True)
+        h = model.hidden(ids, attn_mask=mask)
+        h.square().sum().backward()
+        grads.append((h.detach(), [p.grad.clone() for p in model.parameters()]))
+    (h, g), (ref_h, ref_g) = grads
+    assert close(h, ref_h)
+    assert all(close(a, b) for a, b in zip(g, ref_g))
+
+
+@pytest.mark.parametrize("lengths,T", [((5, 2, 9), 3), ((4, 4), 1), ((0, 3), 1), ((6, 6), 4)])
+def test_cached_causal_mask_equals_explicit_causal_mask(lengths, T):
+    cache = KVCache(1, len(lengths), 1, 8, 32)
+    cache.lengths = torch.tensor(lengths)
+    cache.begin(T)
+    tril = torch.ones(T, T, dtype=torch.bool).tril()
+    fast, general = build_mask(T, None, cache), build_mask(T, tril, cache)
+    if fast is None:  # one new token, every row at the same length: it sees every key
+        assert len(set(lengths)) == 1 and T == 1 and bool(general.all())
+    else:
+        assert torch.equal(fast, general)
+
+
+def test_cached_forward_equals_uncached_uniform_and_ragged():
+    """The cache's two write paths (a plain slice when all rows share a length, a scatter
+    otherwise) give the uncached logits, one token at a time. The cached forward runs other
+    matmul shapes, so this is test_model's tolerance (1e-5 absolute), not REL."""
+    model = tiny_model(0, 2).eval()
+    seqs = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(seqs)  # (2, 12, V)
+        for first in ((4, 4), (3, 6)):  # uniform, ragged prefill lengths
+            cache = KVCache.for_model(model, 2, 16)
+            T = max(first)
+            model.hidden(seqs[:, :T], cache=cache)
+            cache.commit(torch.tensor(first))
+            for step in range(5):
+                pos = torch.tensor(first) + step
+                out = model(seqs[torch.arange(2), pos][:, None], cache=cache)[:, 0]  # (2, V)
+                cache.commit(1)
+                assert (out - ref[torch.arange(2), pos]).abs().max().item() <= 1e-5
