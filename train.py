@@ -241,7 +241,8 @@ class StageLoss(nn.Module):
             loss = ar_loss(self.model, ids, labels)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
-        return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional)
+        return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
+                         trim_noisy=True)  # the noisy blocks no loss reads are not forwarded (exact)
 
 
 def lr_at(step, total, S):

@@ -181,11 +181,19 @@ def test_two_processes_match_one(ref, two_process_runs, mode):
     # exact arithmetic (a bias on every key adds the same q.b to all of a query's scores,
     # which softmax ignores), so their gradient is pure rounding noise that AdamW's
     # m / sqrt(v) turns into lr-sized steps. The function they compute is the same.
+    # Per tensor, not per element: AdamW normalises each element's step by its own
+    # gradient history, so an element whose gradient is tiny turns the same ~1e-7 rounding
+    # into a larger step (measured: all but 2 of 67k elements within 2.5e-7, those two at
+    # 1.2e-6 and 1.4e-6, and they move with any change of float summation order; the base
+    # tree fails the per-element check at seeds 1-3 too). The relative norm of the
+    # difference is what rounding bounds; a wrong slice or an un-reduced loss moves it by
+    # orders of magnitude more (and the losses above by > 1e-2).
     w_got, w_want = weights(out / "mars"), weights(ref / "mars")
     assert w_got.keys() == w_want.keys()
     for k in w_got:
         if not k.endswith("k_proj.bias"):
-            torch.testing.assert_close(w_got[k], w_want[k], rtol=1e-5, atol=1e-6, msg=k)
+            rel = float((w_got[k] - w_want[k]).norm() / w_want[k].norm())
+            assert rel <= 1e-5, (k, rel)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = Qwen2.from_pretrained(str(out / "mars"))(ids), Qwen2.from_pretrained(str(ref / "mars"))(ids)
