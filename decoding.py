@@ -102,7 +102,8 @@ def logits_at(model, h, start, n):
 
 def candidates(logits, sampling=GREEDY, gens=None, ar=False):
     """Candidates and their confidences (§5.2-3): logits (N, n, V) at [last prefix token,
-    mask 0 .. n-2] -> c (N, n), conf (N, n) (sampling.confidence: the raw fp32 softmax).
+    mask 0 .. n-2] -> c (N, n), conf (N, n) (sampling.confidence: the raw fp32 softmax;
+    None in AR mode, where nothing but c_0 is accepted).
 
     Temperature 0 (the default): c = the fp32 argmax, conf = its softmax probability, the
     greedy rule of §5. Otherwise each c_j is drawn from its own position's processed
@@ -114,6 +115,8 @@ def candidates(logits, sampling=GREEDY, gens=None, ar=False):
     rest = logits[:, 1:]  # (N, n-1, V)
     greedy = ar or sampling.greedy or rest.shape[1] == 0
     c = torch.cat([c0, rest.float().argmax(-1) if greedy else pick(rest, sampling, gens)], 1)  # (N, n)
+    if ar:  # AR mode accepts c_0 alone: no confidence is read (and no softmax over V computed)
+        return c, None
     return c, confidence(logits, c, sampling.accept_metric)
 
 

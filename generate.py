@@ -85,11 +85,12 @@ def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
     logits (len(active), B, V) -> kept tokens per row (all N)."""
     metric = sampling.accept_metric
     check_tau(tau, metric)
-    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar_only(tau, metric))
-    n = accept(conf, tau, metric).tolist()
-    accepted = [[] for _ in rows.out]
+    ar = ar_only(tau, metric)
+    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar)
+    n = [1] * len(active) if ar else accept(conf, tau, metric).tolist()
+    accepted, cands = [[] for _ in rows.out], cands.tolist()  # one host copy for all rows
     for i, b in enumerate(active):
-        accepted[b] = cands[i, : n[i]].tolist()
+        accepted[b] = cands[i][: n[i]]
     return rows.keep(accepted)
 
 

@@ -80,7 +80,7 @@ class Settings:
     epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
-    bucket_window: int = 1  # > 1: batches of similar lengths, drawn from windows of this many steps
+    bucket_window: int = 8  # > 1: batches of similar lengths, drawn from windows of this many steps (1 = off)
     max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
     lr: float = 1e-3
     min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
