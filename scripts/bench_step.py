@@ -10,9 +10,9 @@ time (1 thread) is the steadier of the two.
           first rows): ar, mars (mars_loss as train.py calls it: the two-stream attention),
           mars-trim (trim_noisy=True: only the noisy blocks the loss reads), mars-full (the
           reference path: the full (2l, 2l) mask tensor, mars_loss(two_stream=False)).
-  decode  generate.ar_steps (greedy AR with the KV cache, batch N): the time of a step;
+  decode  generate.ar_decode (greedy AR with the KV cache, batch N): the time of a step;
           of its forward alone (model.hidden of one token per row against the cache +
-          the LM head: what ar_steps runs per token, without the loop's bookkeeping);
+          the LM head: what ar_decode runs per token, without the loop's bookkeeping);
           and of the forward's matmul / attention kernels (profiler self time of mm,
           addmm and sdpa). step - forward = the loop's overhead (generate.py);
           forward - kernels = the forward's own (masks, RoPE, cache writes, views).
@@ -32,7 +32,7 @@ import time
 import torch
 
 import train
-from generate import ar_steps
+from generate import ar_decode
 from kvcache import KVCache
 from mars import mars_loss
 from model import Qwen2
@@ -106,8 +106,8 @@ def bench_train(steps, warmup):
 
 # ----------------------------------------------------------------------------- decoding steps
 def decode_step_times(model, prompts, n):
-    """Seconds between successive tokens of generate.ar_steps (prefill excluded)."""
-    it, out = ar_steps(model, prompts, n), []
+    """Seconds between successive tokens of generate.ar_decode (prefill excluded)."""
+    it, out = ar_decode(model, prompts, n), []
     next(it)  # prefill + first token
     for _ in range(n - 1):
         t0 = clocks()
@@ -118,7 +118,7 @@ def decode_step_times(model, prompts, n):
 
 @torch.no_grad()
 def forward_times(model, prompts, n, profile=False):
-    """What ar_steps runs per token, without its bookkeeping: one token per row against the
+    """What ar_decode runs per token, without its bookkeeping: one token per row against the
     cache, commit, LM head at that token. -> per-token seconds, or with profile=True the
     kernels' self time per token (profiler)."""
     N = len(prompts)
@@ -167,7 +167,7 @@ def bench_decode(ckpt, batch, n, repeats):
     print(f"decode: {ckpt or 'random default-size model'} ({model.num_params() / 1e6:.2f}M params, "
           f"{cfg.num_hidden_layers} layers, width {cfg.hidden_size}, vocab {cfg.vocab_size}), batch {batch}, "
           f"prompts 32-48 tokens, {n} new tokens, medians over {repeats} runs")
-    print(f"  step (generate.ar_steps)          {med(step, 0):7.3f} ms wall  {med(step, 1):7.3f} ms cpu")
+    print(f"  step (generate.ar_decode)          {med(step, 0):7.3f} ms wall  {med(step, 1):7.3f} ms cpu")
     print(f"  forward (hidden + LM head)        {med(fwd, 0):7.3f} ms wall  {med(fwd, 1):7.3f} ms cpu")
     print(f"  kernels (mm, addmm, sdpa)         {k:7.3f} ms cpu (profiler self time)")
     print(f"  loop overhead    = step - forward   {med(step, 1) - med(fwd, 1):7.3f} ms cpu")
