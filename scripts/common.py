@@ -52,18 +52,21 @@ def make_prompts(tok, vocab_size, mask_id, n, seed=0, data_dir=None):
             for L in lengths]
 
 
+def time_once(fn, device):
+    """Run fn() once -> (seconds, its result); on CUDA the queued work is waited for."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
 def timed(fn, repeats, device):
     """fn() -> list of Generation. Warm up once, then the median over `repeats` runs
     -> (seconds, generated tokens, forwards summed over rows, the generated ids per row)."""
-    def once():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0, out
-
+    once = lambda: time_once(fn, device)  # noqa: E731
     once()
     runs = [once() for _ in range(repeats)]
     dt = statistics.median(t for t, _ in runs)

@@ -48,6 +48,7 @@ from data import prompts as prompt_data
 from data.prepare import prepare, save_npz
 from exact import generate_exact
 from generate import generate, generate_ar, mars_decode
+from scripts.common import time_once as timed
 from tokenizer import Tokenizer
 from util.atomic import atomic_write, replace_dir, write_json, write_text
 
@@ -439,16 +440,6 @@ def eval_taus(run):
                   f"identical {rows[-1]['identical']:.0%}", flush=True)
         res[name] = rows
     return res
-
-
-def timed(fn, device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
 
 
 def eval_exact(run):
