@@ -373,6 +373,10 @@ class Run:
     amp: object = None  # autocast context (util.precision)
     log: RunLog = None
     eos_ids: list = None
+    data_id: str = None  # fingerprint of train.npz: a resume point must match it
+
+    def __post_init__(self):
+        self.data_id = fingerprint(self.data["train"])  # hashed once, not at every save
 
     def say(self, *a):
         if self.rank == 0:
@@ -457,7 +461,7 @@ def resume_point(r):
                        mmap=True)
     diff = [f"{k}: {state['settings'].get(k)!r} -> {v!r}" for k, v in asdict(S).items()
             if k not in RESUME_FREE and state["settings"].get(k) != v]
-    diff += ["the content of train.npz"] if state["data"] != fingerprint(r.data["train"]) else []
+    diff += ["the content of train.npz"] if state["data"] != r.data_id else []
     if diff:
         raise SystemExit(f"{r.ckpt} belongs to a run with different settings ({'; '.join(diff)}); "
                          "use another out_dir, or --resume=false to start over in this one")
@@ -613,8 +617,7 @@ def save(r, opt, stage, done, total):
             out = os.path.join(r.S.out_dir, stage)
             replace_dir(out, write_release, model_full, r.S, r.special, r.tok, stage, r.eos_ids)
             r.say(f"saved {out}")
-        replace_dir(r.ckpt, write_checkpoint, model_full, osd, r.S, stage, done,
-                    fingerprint(r.data["train"]))
+        replace_dir(r.ckpt, write_checkpoint, model_full, osd, r.S, stage, done, r.data_id)
         r.log({"kind": "ckpt", "stage": stage, "step": done})
     if r.world > 1:
         dist.barrier()
