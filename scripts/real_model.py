@@ -48,6 +48,7 @@ from data import prompts as prompt_data
 from data.prepare import prepare, save_npz
 from exact import generate_exact
 from generate import generate, generate_ar, mars_decode
+from scripts.common import machine
 from scripts.common import time_once as timed
 from tokenizer import Tokenizer
 from util.atomic import atomic_write, replace_dir, write_json, write_text
@@ -696,7 +697,7 @@ new tokens) to {cfg['n_train']} prompts built from this machine's Python standar
 (`data/prompts.py`), so the base is the AR baseline. MARS: B = {S['block_size']}, {S['mars_steps']} steps
 of {S['batch_size']} rows (fresh rows every step), lr {S['lr']:g}, {S['dtype']} on {cfg['device']}.
 Evaluation on {a['n']} held-out prompts (sources never trained on) and {n_human}
-human-written paragraphs that appear in no prompt. {machine_line(cfg)}
+human-written paragraphs that appear in no prompt. {machine(cfg['device'])}.
 
 ```
 {cmd}
@@ -746,12 +747,6 @@ its "identical" column the share of its replies equal to the base's greedy repli
 
 {side_by_side(run, ev)}
 """
-
-
-def machine_line(cfg):
-    dev = cfg["device"]
-    hw = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else f"{os.cpu_count()} CPUs"
-    return f"Machine: {dev} ({hw}), torch {torch.__version__}, {cfg['threads']} thread(s)."
 
 
 # ----------------------------------------------------------------------------- configuration
