@@ -75,8 +75,8 @@ class Settings:
     w_ar: float = 1.0  # weight of L_AR; 0 = the "w/o L_AR" ablation
     bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
     # optimisation (§7)
-    ar_steps: int = 3000
-    mars_steps: int = 4000
+    ar_steps: int = 4000
+    mars_steps: int = 1500
     epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)

@@ -1,27 +1,28 @@
 """Reproduce the paper in miniature, from scratch, on a CPU: one command (MARS_SPEC §4, §5, §7).
 
-Trains every variant the paper compares on the default tiny setup (configs/default.json:
-a tiny Qwen2 and the synthetic data of data/synthetic.py), evaluates each, runs the
+Trains every variant the paper compares on the default tiny setup (configs/reproduce.json:
+the model and data of configs/default.json, a tiny Qwen2 and the synthetic data of
+data/synthetic.py, with the longer schedule of the committed results), evaluates each, runs the
 benchmarks and writes results/: RESULTS.md (tables shaped like the paper's, with its
 numbers beside ours, and the commands), one JSON per variant, tau_sweep.png, mask.png.
 With A = ar_steps and M = mars_steps of the config (times --steps-scale):
 
   ar_stage   AR SFT, A steps: the start of every MARS run                    (τ = 1)
   ar_sft     AR SFT for A + M steps: the paper's fair baseline               (τ = 1)
-  mars_bB    MARS, B = 4 (the default run), 8, 16: M steps from ar_stage     (τ sweep)
+  mars_bB    MARS, B = 4 (the default B), 8, 16: M steps from ar_stage       (τ sweep)
   noar_bB    the same without L_AR (w_ar = 0)                                (τ sweep)
   bidir_b4   Block-Diffusion style: bidirectional inside a block, B = 4      (τ sweep)
 
-mars_b4 is what `python train.py` does (its MARS stage starts from the AR stage's weights
-with a fresh optimizer either way). Resumable: a variant whose checkpoint and results JSON
-exist is skipped, a killed training run continues from its last checkpoint. After the AR
-stage, variants train --jobs at a time (default: CPUs / --threads, at most 4), each with
-its output in <its out_dir>/output.txt. Checkpoints go
-to out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
+mars_b4 is what `python train.py --config configs/reproduce.json` does (its MARS stage
+starts from the AR stage's weights with a fresh optimizer either way). Resumable: a variant
+whose checkpoint and results JSON exist is skipped, a killed training run continues from its
+last checkpoint. After the AR stage, variants train --jobs at a time (default: CPUs /
+--threads, at most 4), each with its output in <its out_dir>/output.txt. Checkpoints go to
+out/reproduce/<A>+<M>-<hash>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
     python -m scripts.reproduce --quick   # A, M / 4 (750 + 1000 steps), 100 test problems: < 30 min, 2 cores
-    python -m scripts.reproduce           # the full run (A = 3000, M = 4000 as configs/default.json):
+    python -m scripts.reproduce           # the full run (A = 3000, M = 4000 as configs/reproduce.json):
                                           # 80-90 min on 2 cores (two 1-thread jobs)
     python -m scripts.reproduce --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
 """
@@ -319,7 +320,7 @@ def parse_args(argv):
     p.add_argument("--steps-scale", type=float, help="multiply the config's ar_steps, mars_steps (default 1)")
     p.add_argument("--limit", type=int, help="test problems per evaluation (default all)")
     p.add_argument("--taus", default=",".join(map(str, TAUS)))
-    p.add_argument("--config", default="configs/default.json")
+    p.add_argument("--config", default="configs/reproduce.json")
     p.add_argument("--out", default="out/reproduce", help="checkpoints go to OUT/<A>+<M>-<hash>/")
     p.add_argument("--results", default="results", help="paths are relative to the repository root")
     p.add_argument("--threads", type=int, default=1,

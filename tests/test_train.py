@@ -16,6 +16,7 @@ made in-process; the other runs must reproduce it:
       configs parse, and the 0.5B one fits 24 GB by estimate_memory.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -418,6 +419,11 @@ def test_named_configs(tmp_path):
     """default.json is the defaults of train.py (python train.py == the default config); the
     0.5B config fits one 24 GB GPU by estimate_memory, and would not without checkpointing."""
     assert train.parse_settings(["--config", str(REPO / "configs/default.json")]) == train.Settings()
+    # reproduce.py's config: the default run but for the schedule of results/RESULTS.md
+    rep = train.parse_settings(["--config", str(REPO / "configs/reproduce.json")])
+    assert (rep.ar_steps, rep.mars_steps) == (3000, 4000)
+    assert dataclasses.replace(rep, ar_steps=train.Settings.ar_steps,
+                               mars_steps=train.Settings.mars_steps) == train.Settings()
     small = train.parse_settings(["--config", str(REPO / "configs/qwen2.5-0.5b-24gb.json")])
     big = train.parse_settings(["--config", str(REPO / "configs/qwen2.5-7b-multigpu.json")])
     assert small.gradient_checkpointing and small.dtype == "bfloat16" and small.block_size == 4
