@@ -28,6 +28,19 @@ def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
     return hf
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the tests of a module that asks for it (`pytestmark =
+    pytest.mark.usefixtures("one_thread")`), two being this suite's default: tiny models on
+    shared cores run faster with one thread than with two that wait for each other, and an
+    in-process run then gives the same bits as a subprocess started with
+    OMP_NUM_THREADS=1 (CPU kernels may split sums by thread)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_hf(tmp_path):
     """(hf_model, path) for the default tiny config."""

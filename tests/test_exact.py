@@ -39,13 +39,7 @@ N_NEW = 24
 SETTINGS = [(K, B) for B in (4, 8) for K in (1, 2, 4)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on shared cores: one intra-op thread is faster than two that wait."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 def load(path, **cfg):

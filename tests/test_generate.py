@@ -46,14 +46,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on shared cores: one intra-op thread is ~10x faster than two that
-    wait for each other under contention (conftest's default is two)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 def load_pair(path, seed=0, **cfg):

@@ -62,12 +62,7 @@ EOS = 6
 TAU_MARGIN = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -45,14 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 10  # per stage; checkpoints every 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Subprocesses run with OMP_NUM_THREADS=1; in-process runs use 1 thread as well, so
-    the same op gives the same bits in both (CPU kernels may split sums by thread)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
 
 @pytest.fixture(scope="module")
