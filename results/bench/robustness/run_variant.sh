@@ -3,7 +3,8 @@
 # main job's bar is luck"). Run it in a scratch checkout with data_variants.diff applied
 # (git apply results/bench/robustness/data_variants.diff): that patch adds two switches to
 # data/synthetic.py, EXP_LOOKUP=table (the table before the question) and EXP_SHARES
-# (train-split weights of arith,list,words,lookup; val and test keep equal shares).
+# (train-split weights of arith,list,words,lookup; val and test keep equal shares), and one
+# to train.py, EXP_THETA (rope_theta of a scratch model; default Qwen2's 1e6).
 #
 #   bash results/bench/robustness/run_variant.sh NAME LOOKUP SHARES SEED AR_STEPS MARS_STEPS [train.py flags]
 #   bash results/bench/robustness/run_variant.sh I3 orig 2,1,2,1 3 4000 0          # -> log_I3.txt, out_I3/
