@@ -190,12 +190,13 @@ def _targets(labels):
 
 
 def _ce_at(model, h, rows, src, tokens):
-    """CE per target, fp32; the LM head runs only on the n gathered hidden states.
+    """CE per target, in fp32 or wider; the LM head runs only on the n gathered hidden states.
 
     On Qwen2.5 the full (N, 2l, 151936) logits would be the largest tensor of a
     training step, and prompt / padding outputs carry no loss anyway.
     """
-    logits = model.lm_head(h[rows, src]).float()  # (n, V)
+    logits = model.lm_head(h[rows, src])  # (n, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
     return F.cross_entropy(logits, tokens, reduction="none")  # (n,)
 
 

@@ -138,8 +138,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalise in fp32, cast back *before* the weight multiply (HF order)
-        xf = x.float()
+        # normalise in fp32 (fp64 stays fp64), cast back *before* the weight multiply (HF order)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
