@@ -1,19 +1,21 @@
-"""Byte-level BPE tokenizers (Qwen2.5, SmolLM2, ...) on tiktoken, chat templates, MARS's loss span.
+"""Byte-level BPE tokenizers (Qwen2.5, SmolLM2, ...) on tiktoken: loading, encode/decode, MARS's loss span.
 
 What it is: a byte-level BPE (GPT-2 byte alphabet) with a pre-tokenizer regex, an optional
 NFC normaliser and added tokens matched inside text, read from a checkpoint's
 `tokenizer.json` (HF `tokenizers`' file) or `vocab.json` + `merges.txt` + added tokens,
 and run by tiktoken. It gives the same ids as HF without importing it, for the
-pre-tokenizers real checkpoints use (`PRE_TOKENIZERS`: Qwen2's regex; SmolLM2's digit
+pre-tokenizers real checkpoints use (`pattern_of`: Qwen2's regex; SmolLM2's digit
 split + GPT-2's ByteLevel; plain GPT-2) and for vocabularies that lack a token for some
-byte (HF then drops that byte; so do we). Anything else is refused by name. It also
-trains a tiny tokenizer of the Qwen2 kind (`train_bpe`) for the project's miniature
-model, and saves files that `transformers` loads.
+byte (HF then drops that byte; so do we). Anything else is refused by name. It saves
+files that `transformers` loads.
 
 The chat template comes from the checkpoint (tokenizer_config.json's `chat_template`, or
-chat_template.jinja) and is rendered with jinja2 the way transformers renders it
-(`render_chat`); a checkpoint without one gets Qwen2.5-Instruct's. save() writes back the
-template it was loaded with, so a model trained here keeps its data's default system turn.
+chat_template.jinja); a checkpoint without one gets Qwen2.5-Instruct's. save() writes back
+the template it was loaded with, so a model trained here keeps its data's default system turn.
+
+What it leaves to others: rendering a template as transformers does (chat_template.py),
+training the default data's tiny tokenizer (data/bpe.py, `train_bpe`), writing `mars.json`
+(checkpoint.py).
 
 How it maps to MARS (../shared/MARS_SPEC.md):
 - §2 `[MASK]` is a new token `<|mask|>` = the first id after the highest id the
@@ -40,19 +42,13 @@ decoding only, so that HF and we both spell them out in pieces.
 
 import json
 import unicodedata
-from collections import Counter, defaultdict
-from datetime import datetime
-from functools import lru_cache
-from heapq import heapify, heappop, heappush
 from itertools import pairwise
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
 import regex  # installed with tiktoken (which needs it); stdlib `re` has no \p{L}
 import tiktoken
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from chat_template import QWEN25_CHAT_TEMPLATE, render_chat
 from util.atomic import write_text
 
 # Qwen2's pre-tokenizer: contractions, letter runs (one leading non-letter), single digits
@@ -68,76 +64,7 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # ends, i.e. also before a digit ("x  1" -> "x", "  ", "1", not "x", " ", " ", "1").
 DIGITS_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
-# Qwen2.5's 22 added tokens, ids 151643..151664 in this order. The first 14 are "special"
-# (skipped by decode(skip_special_tokens=True) in HF); the last 8 are plain added tokens.
-QWEN25_ADDED_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-)
-QWEN25_N_SPECIAL = 14
-MASK_TOKEN = "<|mask|>"
-DEFAULT_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-
-# Qwen2.5-Instruct's chat template, written into tokenizer_config.json by save() so that
-# transformers' apply_chat_template works on our files. render_chat() is its non-tool branch.
-QWEN25_CHAT_TEMPLATE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""  # noqa: E501, RUF100
+MASK_TOKEN = "<|mask|>"  # MARS_SPEC §2
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -360,55 +287,9 @@ def _chat_template(path: Path, config: dict):
     return template
 
 
-# ---------------------------------------------------------------- chat templates
-def chatml_template(default_system: str) -> str:
-    """Qwen2.5-Instruct's template with another default system turn (used when a conversation
-    brings none): a checkpoint should carry the system turn of the data it was trained on."""
-    literal = default_system.replace("\\", "\\\\").replace("'", "\\'")
-    return QWEN25_CHAT_TEMPLATE.replace(DEFAULT_SYSTEM_PROMPT, literal)
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' tojson: no HTML escaping (jinja's own filter escapes < > &)
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=16)
-def compile_template(template: str) -> jinja2.Template:
-    """A chat template compiled as transformers compiles it (utils/chat_template_utils.py):
-    sandboxed, trim_blocks and lstrip_blocks, loop controls, and its tojson / raise_exception /
-    strftime_now. (Its {% generation %} tag, used only for assistant masks, is not provided.)"""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def render_chat(messages: list[dict], add_generation_prompt: bool = False,
-                template: str = QWEN25_CHAT_TEMPLATE, special_tokens: dict | None = None) -> str:
-    """A conversation of system / user / assistant turns rendered by a chat template
-    (default: Qwen2.5-Instruct's), with the special-token names transformers passes."""
-    for m in messages:
-        if m["role"] not in ("system", "user", "assistant") or m.get("tool_calls"):
-            raise ValueError(f"render_chat: role {m['role']!r} / tool calls are not supported")
-        if not isinstance(m["content"], str):
-            raise TypeError(f"render_chat: a {m['role']} message's content is not a string")
-    if not messages:
-        raise ValueError("render_chat: no messages")
-    return compile_template(template).render(messages=list(messages), tools=None, documents=None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **(special_tokens or {}))
-
-
 # ---------------------------------------------------------------- the tokenizer
 class Tokenizer:
-    """A byte-level BPE tokenizer. Build it with `Tokenizer.from_dir` or `train_bpe`."""
+    """A byte-level BPE tokenizer. Build it with `Tokenizer.from_dir` or `data.bpe.train_bpe`."""
 
     def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]],
                  added_tokens: dict[int, dict], source: str = "<memory>", *,
@@ -607,86 +488,3 @@ class Tokenizer:
             mask.append(pos + n > lo and pos < hi)
             pos += n
         return ids, mask
-
-
-# ---------------------------------------------------------------- training (the tiny default)
-def _count_words(texts, added_tokens) -> Counter:
-    """Pre-tokenised chunks (Qwen2's regex, NFC) and their counts; added tokens are never learned."""
-    split_added = regex.compile("(" + "|".join(map(regex.escape, added_tokens)) + ")")
-    pretokenize = regex.compile(QWEN2_PATTERN)
-    counts = Counter()
-    for text in texts:
-        for piece in split_added.split(text)[::2]:
-            counts.update(pretokenize.findall(unicodedata.normalize("NFC", piece)))
-    return counts
-
-
-def _merge_word(old, a, b, new):
-    """Replace every (a, b) in `old` by `new`, left to right, non-overlapping (as HF's merge does)."""
-    merged, i = [], 0
-    while i < len(old):
-        if i + 1 < len(old) and old[i] == a and old[i + 1] == b:
-            merged.append(new)
-            i += 2
-        else:
-            merged.append(old[i])
-            i += 1
-    return merged
-
-
-def _learn_merges(counts: Counter, n_merges: int) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
-    """(tokens in id order: the 256 bytes, then one per merge; the merges, in order). Each step
-    merges the most frequent adjacent pair of the words, weighted by their counts."""
-    words = [list(w.encode()) for w in counts]  # each word as a list of token ids
-    freq = list(counts.values())
-    pair_count = Counter()
-    where = defaultdict(set)  # pair -> words that (may) contain it
-    for w, (word, f) in enumerate(zip(words, freq)):
-        for pair in pairwise(word):
-            pair_count[pair] += f
-            where[pair].add(w)
-    heap = [(-c, pair) for pair, c in pair_count.items()]  # lazily updated max-heap
-    heapify(heap)
-    token, merges = [bytes([b]) for b in range(256)], []
-    while len(merges) < n_merges and heap:
-        c, pair = heappop(heap)
-        if -c != pair_count[pair] or c == 0:
-            continue  # stale entry
-        a, b = pair
-        token.append(token[a] + token[b])
-        merges.append((token[a], token[b]))
-        touched = set()
-        for w in where.pop(pair):
-            old, f = words[w], freq[w]
-            words[w] = _merge_word(old, a, b, len(token) - 1)
-            for p in pairwise(old):
-                pair_count[p] -= f
-                touched.add(p)
-            for p in pairwise(words[w]):
-                pair_count[p] += f
-                where[p].add(w)
-                touched.add(p)
-        for p in touched:
-            if pair_count[p] > 0:
-                heappush(heap, (-pair_count[p], p))
-    return token, merges
-
-
-def train_bpe(texts, n_merges: int, added_tokens=QWEN25_ADDED_TOKENS,
-              chat_template: str = QWEN25_CHAT_TEMPLATE) -> Tokenizer:
-    """Train a byte-level BPE with Qwen2's pre-tokenizer (for the tiny default model).
-
-    Ids: the 256 bytes (in byte order), then one token per merge, then `added_tokens`
-    (Qwen2.5's 22, in Qwen2.5's order), then `<|mask|>`. Each step merges the most frequent
-    adjacent pair (ties: smallest ids), everywhere, left to right, exactly as HF's BPE will
-    apply it later; this is what makes the saved files give the same ids in HF. Training
-    stops early once every word is a single token. `chat_template` is what save() writes:
-    give the one whose default system turn the training data uses (`chatml_template`).
-    """
-    token, merges = _learn_merges(_count_words(texts, added_tokens), n_merges)
-    vocab = {t: i for i, t in enumerate(token)}
-    added = {len(token) + n: {"content": name, "lstrip": False, "normalized": False,
-                              "rstrip": False, "single_word": False,
-                              "special": name not in QWEN25_ADDED_TOKENS[QWEN25_N_SPECIAL:]}
-             for n, name in enumerate(added_tokens)}
-    return Tokenizer(vocab, merges, added, source="train_bpe", chat_template=chat_template)

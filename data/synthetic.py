@@ -162,8 +162,10 @@ def build_default(out_dir, seed=0, sizes=None, n_merges=400):
     trained on the train split, Qwen2's regex so digits stay single tokens, a ChatML
     template whose default system turn is DEFAULT_SYSTEM), and the tokenised train/val
     .npz files."""
+    from chat_template import chatml_template, render_chat
+    from data.bpe import train_bpe
     from data.prepare import prepare, save_npz
-    from tokenizer import Tokenizer, chatml_template, render_chat, train_bpe
+    from tokenizer import Tokenizer
 
     sizes = sizes or {"train": 40000, "val": 400, "test": 400}
     os.makedirs(out_dir, exist_ok=True)

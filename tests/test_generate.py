@@ -317,7 +317,8 @@ def test_chat_keeps_the_conversation_and_reads_tau_per_reply(tmp_path):
     """`generate.py --chat` (chat.py): reply 1 at τ = 1 is §5 written out on HF for the templated
     user turn; `/tau 0.5` then applies to reply 2, which is §5 on HF for the whole conversation
     (reply 1 as the assistant turn); a bad `/tau` is a message and the session goes on."""
-    from tokenizer import Tokenizer, train_bpe
+    from data.bpe import train_bpe
+    from tokenizer import Tokenizer
 
     train_bpe(["hello world, tell me more about the blue sky"], 20).save(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)

@@ -17,8 +17,9 @@ import json
 import numpy as np
 import pytest
 
+from data.bpe import train_bpe
 from data.prepare import load_npz, main, prepare, save_npz
-from tokenizer import Tokenizer, train_bpe
+from tokenizer import Tokenizer
 
 SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5's default
 

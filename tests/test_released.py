@@ -16,9 +16,10 @@ import torch
 from conftest import make_hf_model
 from safetensors.torch import load_file, save_file
 
+from data.bpe import QWEN25_ADDED_TOKENS, train_bpe
 from generate import generate, generate_ar
 from model import Qwen2
-from tokenizer import QWEN25_ADDED_TOKENS, Tokenizer, train_bpe
+from tokenizer import Tokenizer
 
 N_NEW = 24
 TEXTS = ["<|im_start|>user\nWhat is 12 + 345?<|im_end|>\n<|im_start|>assistant\n12 + 345 = 357.<|im_end|>\n",

@@ -14,8 +14,8 @@ from conftest import write_rows
 from safetensors.torch import load_file
 
 import train
+from data.bpe import train_bpe
 from scripts import reproduce
-from tokenizer import train_bpe
 
 
 def test_mars_from_the_saved_ar_stage_equals_the_two_stage_run(tmp_path):

@@ -261,7 +261,8 @@ def test_cli_temperature_is_the_api_output(pair):
 def test_chat_sampling_commands(tmp_path):
     """/temperature, /top-p, /top-k, /seed, /accept-metric change the settings; bad values are
     messages and the session goes on; a reply at temperature 0.7 from seed 3 is the AR sampler's."""
-    from tokenizer import Tokenizer, train_bpe
+    from data.bpe import train_bpe
+    from tokenizer import Tokenizer
 
     train_bpe(["hello world, tell me more about the blue sky"], 20).save(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)

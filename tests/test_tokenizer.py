@@ -19,7 +19,9 @@ from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, tra
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
-from tokenizer import Tokenizer, chatml_template, render_chat, train_bpe
+from chat_template import chatml_template, render_chat
+from data.bpe import train_bpe
+from tokenizer import Tokenizer
 
 QWEN2_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""

@@ -37,8 +37,9 @@ from conftest import make_hf_model, write_rows
 from safetensors.torch import load_file
 
 import train
+from data.bpe import train_bpe
 from model import Qwen2, Qwen2Config
-from tokenizer import Tokenizer, train_bpe
+from tokenizer import Tokenizer
 from util import memory
 
 REPO = Path(__file__).resolve().parent.parent
