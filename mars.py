@@ -12,6 +12,7 @@ the method is in how one batch is laid out and which tokens may see which:
   two_stream_batch   inputs and shared position ids of the 2l-token forward (§3)
   two_stream_window  the same forward as it is run: only the noisy blocks the loss reads
   mars_loss          one forward, CE_noisy + w * CE_clean per target (§4)
+  inverse_t_weights  the released "w/o L_AR" runs' 1/t weight of each row's noisy loss (§4)
   ar_loss            the plain AR SFT loss of the stage before MARS (§2)
 
 Convention used everywhere (right shift, §3): `labels[:, i]` is the TARGET token at
@@ -200,19 +201,34 @@ def _ce_at(model, h, rows, src, tokens):
     return F.cross_entropy(logits, tokens, reduction="none")  # (n,)
 
 
-def _per_sequence_mean(ce, rows, n_rows: int):
-    """Mean over each row's targets, then over the rows that have any target (§4).
+def _per_sequence_mean(ce, rows, n_rows: int, row_weight=None):
+    """Mean over each row's targets, then over the rows that have any target (§4);
+    row_weight (N,), optional, multiplies each row's mean before the batch average.
 
     A row with no loss token is left out of the batch average (no 0/0 NaN); a batch
     with none at all gives a zero that still belongs to the graph.
     """
-    count = torch.zeros(n_rows, device=ce.device).index_add_(0, rows, torch.ones_like(ce))  # (N,)
+    count = torch.zeros(n_rows, dtype=ce.dtype, device=ce.device).index_add_(0, rows, torch.ones_like(ce))
     n_seq = (count > 0).sum().clamp(min=1)
-    return (ce / count[rows]).sum() / n_seq
+    per_target = ce / count[rows]
+    if row_weight is not None:
+        per_target = per_target * row_weight.to(per_target.dtype)[rows]
+    return per_target.sum() / n_seq
+
+
+def inverse_t_weights(n_rows: int, generator=None, device=None, eps: float = 1e-3):
+    """(n_rows,) weights 1/t, t ~ U[eps, 1) drawn per row: the released code's "w/o L_AR"
+    objective (MARSTrainerNoSFT, MARS_SPEC §4) multiplies each row's noisy loss by it.
+    A leftover of diffusion training, where t is the masking rate; MARS masks 100 %, so
+    here it only rescales rows at random: mean ln(1/eps) / (1 - eps) ~ 6.9, at most 1/eps.
+    """
+    t = eps + (1 - eps) * torch.rand(n_rows, generator=generator, device=device)
+    return 1 / t
 
 
 def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
-              bidirectional: bool = False, two_stream: bool = True, trim_noisy: bool = False):
+              bidirectional: bool = False, two_stream: bool = True, trim_noisy: bool = False,
+              noisy_row_weight=None):
     """The MARS loss (§3-§4) of a batch: (loss, l_mask, l_ar), loss = l_mask + w * l_ar.
 
     ids, labels (N, l), l a multiple of B (collate). One forward over [clean | noisy]
@@ -225,7 +241,8 @@ def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
     w = 0 is the "w/o L_AR" ablation: the clean stream still runs (noisy queries read
     its keys) but its LM head / CE is skipped, and l_ar is returned as NaN ("not
     computed"). The released code also multiplies each row's noisy loss by 1/t,
-    t ~ U[1e-3, 1): a leftover of diffusion training that we do not apply.
+    t ~ U[1e-3, 1): pass noisy_row_weight = inverse_t_weights(N) for that objective
+    (None, the default, is the spec's unweighted loss); l_mask is then the weighted one.
     bidirectional = True is the "Block Diffusion style" ablation (§4).
     two_stream = True runs the forward as two_stream_window (clean stream plain causal);
     trim_noisy = True also leaves out the noisy blocks the loss never reads (noisy_window:
@@ -246,7 +263,7 @@ def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
         mask = mars_attention_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
         noisy_src = l + src
     h = model.hidden(inputs, position_ids, mask)  # (N, l + W or 2l, C)
-    l_mask = _per_sequence_mean(_ce_at(model, h, rows, noisy_src, tokens), rows, N)
+    l_mask = _per_sequence_mean(_ce_at(model, h, rows, noisy_src, tokens), rows, N, noisy_row_weight)
     if w == 0:
         return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
     l_ar = _per_sequence_mean(_ce_at(model, h, rows, src, tokens), rows, N)
