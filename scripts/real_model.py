@@ -642,22 +642,39 @@ def side_by_side(run, ev, n=3):
     return "\n".join(lines)
 
 
-def report(run, ev):
-    a, b, c, d = (ev[k]["result"] for k in EVALS)
-    S, cfg = run.train_settings(), run.cfg
-    f = lambda v, n=3: f"{v:.{n}f}" if isinstance(v, float) else "-" if v is None else str(v)
-    nll_rows = [[name, f"{m['identical']:.0%}", f(m["common_prefix"], 1), f(m["mean_len"], 1),
-                 f(m["nll_human_chat"]), f(m["nll_human_plain"]), f(m["nll_base_replies"])]
-                for name, m in (("base", a["base"]), ("mars", a["mars"]))]
-    rel = {k: a["mars"][k] / a["base"][k] - 1 for k in ("nll_human_chat", "nll_human_plain")}
-    tau_rows = [[name, p["tau"], f(p["tokens_per_forward"], 2), f"{p['identical']:.0%}",
-                 f(p["common_prefix"], 1), f(p["nll_under_base"])]
-                for name in ("mars", "base") for p in b[name]]
-    ex_rows = [[r["decoder"], r.get("batch", "-"), f(r.get("tokens_per_forward", 0.0), 2),
-                f(r.get("seconds", 0.0), 1), f(r.get("speed_vs_ar", 0.0), 2) + "x",
-                r.get("identical_to_ar", r.get("identical_to_base_ar", r.get("skipped")))] for r in c["rows"]]
-    curve_rows = [[p["step"], f(p["tokens_per_forward"], 2), f"{p['identical_to_base']:.0%}",
-                   f(p["val_loss"])] for p in d]
+def fmt(v, n=3):
+    """A table cell: a float to n decimals, None as "-", anything else as it is."""
+    return f"{v:.{n}f}" if isinstance(v, float) else "-" if v is None else str(v)
+
+
+def report_tables(run, a, b, c, d):
+    """The rows of the report's tables: stages, one-token quality, τ sweep, exact mode, curve."""
+    stages = [[s, f"{run.manifest[s]['elapsed_s'] / 60:.1f} min" +
+               (" (resumed)" if run.manifest[s].get("resumed") else "")]
+              for s in STAGES if s in run.manifest]
+    quality = [[name, f"{m['identical']:.0%}", fmt(m["common_prefix"], 1), fmt(m["mean_len"], 1),
+                fmt(m["nll_human_chat"]), fmt(m["nll_human_plain"]), fmt(m["nll_base_replies"])]
+               for name, m in (("base", a["base"]), ("mars", a["mars"]))]
+    taus = [[name, p["tau"], fmt(p["tokens_per_forward"], 2), f"{p['identical']:.0%}",
+             fmt(p["common_prefix"], 1), fmt(p["nll_under_base"])]
+            for name in ("mars", "base") for p in b[name]]
+    exact = [[r["decoder"], r.get("batch", "-"), fmt(r.get("tokens_per_forward", 0.0), 2),
+              fmt(r.get("seconds", 0.0), 1), fmt(r.get("speed_vs_ar", 0.0), 2) + "x",
+              r.get("identical_to_ar", r.get("identical_to_base_ar", r.get("skipped")))] for r in c["rows"]]
+    curve = [[p["step"], fmt(p["tokens_per_forward"], 2), f"{p['identical_to_base']:.0%}",
+              fmt(p["val_loss"])] for p in d]
+    return stages, quality, taus, exact, curve
+
+
+def nll_change(a):
+    """MARS's human-text NLL relative to the base's, chat and plain (issue 15's quality check)."""
+    return {k: a["mars"][k] / a["base"][k] - 1 for k in ("nll_human_chat", "nll_human_plain")}
+
+
+def report_targets(a, b, c):
+    """Issue 15's targets as [target, ours, "yes" / "no"]; exact-mode and τ = 0.9 rows only
+    where the evaluation has a batch-1 exact decoder and a τ = 0.9 point."""
+    rel = nll_change(a)
     tau09 = next((p for p in b["mars"] if p["tau"] == 0.9), None)
     ex1 = max((r for r in c["rows"] if r.get("batch") == 1 and r["decoder"].startswith("exact")),
               key=lambda r: r["tokens_per_forward"], default=None)
@@ -673,19 +690,21 @@ def report(run, ev):
     if ex1:
         targets += [["exact mode >= 1.5 tokens/forward at batch 1",
                      f"{ex1['tokens_per_forward']:.2f} ({ex1['decoder']})", ex1["tokens_per_forward"] >= 1.5],
-                    ["exact mode above HF prompt lookup", f"{ex1['tokens_per_forward']:.2f} vs {f(hf, 2)}",
+                    ["exact mode above HF prompt lookup", f"{ex1['tokens_per_forward']:.2f} vs {fmt(hf, 2)}",
                      hf is not None and ex1["tokens_per_forward"] > hf],
                     ["exact mode wall clock >= 1.0x our AR (batch 1)", f"{ex1['speed_vs_ar']:.2f}x",
                      ex1["speed_vs_ar"] >= 1.0]]
     if tau09:
-        targets += [["tau = 0.9: >= 1.5 tokens/forward", f(tau09["tokens_per_forward"], 2),
+        targets += [["tau = 0.9: >= 1.5 tokens/forward", fmt(tau09["tokens_per_forward"], 2),
                      tau09["tokens_per_forward"] >= 1.5],
                     ["tau = 0.9: >= 90 % identical to tau = 1", f"{tau09['identical']:.0%}",
                      tau09["identical"] >= 0.9]]
-    targets = [[t, ours, "yes" if ok else "no"] for t, ours, ok in targets]
-    stage_rows = [[s, f"{run.manifest[s]['elapsed_s'] / 60:.1f} min" +
-                   (" (resumed)" if run.manifest[s].get("resumed") else "")]
-                  for s in STAGES if s in run.manifest]
+    return [[t, ours, "yes" if ok else "no"] for t, ours, ok in targets]
+
+
+def report_setup(run, a):
+    """The report's title and what was run: model, data, MARS settings, evaluation, command."""
+    S, cfg = run.train_settings(), run.cfg
     n_human = len(json.load(open(run.path("prompts.json")))["human"])
     cmd = f"python -m scripts.real_model --config {run.cfg_path}" + (" --smoke" if run.smoke else "")
     return f"""# A real model: MARS on SmolLM2-135M-Instruct
@@ -702,7 +721,15 @@ human-written paragraphs that appear in no prompt. {machine(cfg['device'])}.
 ```
 {cmd}
 ```
+"""
 
+
+def report(run, ev):
+    """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
+    a, b, c, d = (ev[k]["result"] for k in EVALS)
+    stage_rows, nll_rows, tau_rows, ex_rows, curve_rows = report_tables(run, a, b, c, d)
+    rel = nll_change(a)
+    return report_setup(run, a) + f"""
 ## Elapsed time per stage
 
 {table(["stage", "elapsed"], stage_rows)}
@@ -741,7 +768,7 @@ its "identical" column the share of its replies equal to the base's greedy repli
 
 ## Targets (issue 15), reported as reached
 
-{table(["target", "ours", "reached"], targets)}
+{table(["target", "ours", "reached"], report_targets(a, b, c))}
 
 ## Replies side by side (tokens accepted by one forward in [brackets])
 
