@@ -155,60 +155,94 @@ def table(header, rows):
     return out + ["| " + " | ".join(map(str, r)) + " |" for r in rows]
 
 
-def write_results(R, results, meta, cmds):
-    acc = lambda n, t=1.0: (res(results, n, t) or {}).get("accuracy")
-    tpf = lambda n, t: (res(results, n, t) or {}).get("tokens_per_forward")
-    fam = lambda n, f: (res(results, n, 1.0) or {}).get("per_family", {}).get(f)
-    label = lambda n: results[n]["label"] if n in results else n
-    steps = lambda n: results[n]["steps"] if n in results else "–"
-    L = [f"# MARS in miniature: results ({meta['mode']})", "",
-         f"Written by `python -m scripts.reproduce{meta['argv']}` on {meta['date']}, {meta['machine']}; "
-         f"training and evaluation took {meta['variant_minutes']:.0f} min of process time over all "
-         f"variants (table at the end), this call {meta['minutes']:.0f} min. Model and data: "
-         f"`{meta['config']}` (a tiny Qwen2 trained from scratch on the synthetic tasks of "
-         f"data/synthetic.py), A = {meta['A']} AR steps, M = {meta['M']} MARS steps; accuracy in % on "
-         f"{meta['n_test']} held-out test problems, greedy. The paper's numbers are Qwen2.5-0.5B / 7B on "
-         "real benchmarks (MARS_SPEC §7): compare directions and shapes, not magnitudes.", "",
-         f"Checkpoints, training logs and loss curves: `{meta['root']}/<variant>/` (log.jsonl, loss.png).",
-         "", "## One-token mode (τ = 1): does MARS keep AR quality?", ""]
+class Lookup:
+    """What the tables read from the variants' eval records: accuracy, tokens per forward and
+    per-family accuracy at τ, each None (shown "–") for a variant or τ that did not run."""
+
+    def __init__(self, results):
+        self.results = results
+
+    def acc(self, n, t=1.0):
+        return (res(self.results, n, t) or {}).get("accuracy")
+
+    def tpf(self, n, t):
+        return (res(self.results, n, t) or {}).get("tokens_per_forward")
+
+    def fam(self, n, f):
+        return (res(self.results, n, 1.0) or {}).get("per_family", {}).get(f)
+
+    def label(self, n):
+        return self.results[n]["label"] if n in self.results else n
+
+    def steps(self, n):
+        return self.results[n]["steps"] if n in self.results else "–"
+
+
+def results_header(meta):
+    """RESULTS.md's title and what was run (command, machine, model and data, A and M)."""
+    return [f"# MARS in miniature: results ({meta['mode']})", "",
+            f"Written by `python -m scripts.reproduce{meta['argv']}` on {meta['date']}, {meta['machine']}; "
+            f"training and evaluation took {meta['variant_minutes']:.0f} min of process time over all "
+            f"variants (table at the end), this call {meta['minutes']:.0f} min. Model and data: "
+            f"`{meta['config']}` (a tiny Qwen2 trained from scratch on the synthetic tasks of "
+            f"data/synthetic.py), A = {meta['A']} AR steps, M = {meta['M']} MARS steps; accuracy in % on "
+            f"{meta['n_test']} held-out test problems, greedy. The paper's numbers are Qwen2.5-0.5B / 7B on "
+            "real benchmarks (MARS_SPEC §7): compare directions and shapes, not magnitudes.", "",
+            f"Checkpoints, training logs and loss curves: `{meta['root']}/<variant>/` (log.jsonl, loss.png)."]
+
+
+def paper_tables(q, taus):
+    """The tables shaped like the paper's (MARS_SPEC §7), its numbers beside ours: one-token
+    mode, block size with / without L_AR, multi-token at τ = 0.95, the τ sweep, Block Diffusion."""
+    L = ["", "## One-token mode (τ = 1): does MARS keep AR quality?", ""]
     L += table(["model", "steps", "accuracy", *FAMILY_COLS, "paper avg 0.5B / 7B"],
-               [[label(n), steps(n), fmt(acc(n)), *(fmt(fam(n, f), ".0f") for f in FAMILY_COLS),
+               [[q.label(n), q.steps(n), fmt(q.acc(n)), *(fmt(q.fam(n, f), ".0f") for f in FAMILY_COLS),
                  PAPER_ONE_TOKEN.get(n, "–")] for n in ("ar_stage", "ar_sft", "mars_b4")])
     L += ["", "## Block size, with and without L_AR (τ = 1)", ""]
     L += table(["B", "with L_AR", "w/o L_AR", "paper with (0.5B)", "paper w/o (0.5B)"],
-               [[B, fmt(acc(f"mars_b{B}")), fmt(acc(f"noar_b{B}")), *PAPER_B[B]] for B in (4, 8, 16)])
+               [[B, fmt(q.acc(f"mars_b{B}")), fmt(q.acc(f"noar_b{B}")), *PAPER_B[B]] for B in (4, 8, 16)])
     L += ["", "## Multi-token mode, τ = 0.95", ""]
-    names = [n for n in ("mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8", "noar_b16", "bidir_b4")]
     rows = []
-    for n in names:
-        a1, a95 = acc(n), acc(n, 0.95)
+    for n in ("mars_b4", "mars_b8", "mars_b16", "noar_b4", "noar_b8", "noar_b16", "bidir_b4"):
+        a1, a95 = q.acc(n), q.acc(n, 0.95)
         d = None if a1 is None or a95 is None else a95 - a1
-        rows.append([label(n), fmt(a1), fmt(a95), fmt(d, "+.1f"), fmt(tpf(n, 0.95), ".2f"),
+        rows.append([q.label(n), fmt(a1), fmt(a95), fmt(d, "+.1f"), fmt(q.tpf(n, 0.95), ".2f"),
                      PAPER_MULTI.get(n, "–")])
     L += table(["variant", "acc τ=1", "acc τ=0.95", "Δ", "tokens/forward", "paper Δ at tokens/forward"], rows)
     L += ["", "## τ sweep: accuracy / tokens per forward", ""]
     sweep = ("mars_b4", "mars_b8", "mars_b16")
-    L += table(["τ", *(label(n) for n in sweep), "paper 7B GSM8K B=4"],
-               [[t, *(f"{fmt(acc(n, t))} / {fmt(tpf(n, t), '.2f')}" for n in sweep),
-                 "{} / {:.2f}".format(*PAPER_SWEEP[t]) if t in PAPER_SWEEP else "–"] for t in meta["taus"]])
+    L += table(["τ", *(q.label(n) for n in sweep), "paper 7B GSM8K B=4"],
+               [[t, *(f"{fmt(q.acc(n, t))} / {fmt(q.tpf(n, t), '.2f')}" for n in sweep),
+                 "{} / {:.2f}".format(*PAPER_SWEEP[t]) if t in PAPER_SWEEP else "–"] for t in taus])
     L += ["", "![accuracy against tokens per forward](tau_sweep.png)", "",
           "## Block-Diffusion style (bidirectional in a block) against MARS, B = 4", ""]
     L += table(["variant", "acc τ=1", *FAMILY_COLS, "acc τ=0.95", "tokens/forward τ=0.95", "paper avg 0.5B"],
-               [[label(n), fmt(acc(n)), *(fmt(fam(n, f), ".0f") for f in FAMILY_COLS), fmt(acc(n, 0.95)),
-                 fmt(tpf(n, 0.95), ".2f"), PAPER_BD[n]] for n in ("mars_b4", "bidir_b4")])
-    ph = lambda n: (res(results, n, PHASE[1]) or {}).get("wrong_steps_by_phase")
-    if have := [n for n in PHASE[0] if ph(n)]:
-        L += ["", f"## Where the τ rule goes wrong: by the phase of the prefix (τ = {PHASE[1]})", "",
-              f"One step of §5 from every prefix of the {meta['n_test']} reference replies (`evaluate.py "
-              "--by-phase`): the share of steps, among those whose c_0 is right, that also accept a wrong "
-              "token. Training forms its noisy blocks at multiples of B from index 0, so only phase 0 "
-              "(prefix length a multiple of B) is a case training showed as such; a decoder that accepts "
-              "1..B tokens per step meets every phase. The data's four system turns (data/synthetic.py) "
-              "vary each row's phase mod 4, so that at B = 4 every reply token is trained at every "
-              "lookahead (for B = 8 and 16 only part of the phases are covered).", ""]
-        L += table(["variant", *(f"phase {r}" for r in ph(have[0]))],  # {phase: [steps, wrong]}
-                   [[label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in ph(n).values())]
-                    for n in have])
+               [[q.label(n), fmt(q.acc(n)), *(fmt(q.fam(n, f), ".0f") for f in FAMILY_COLS),
+                 fmt(q.acc(n, 0.95)), fmt(q.tpf(n, 0.95), ".2f"), PAPER_BD[n]]
+                for n in ("mars_b4", "bidir_b4")])
+    return L
+
+
+def phase_table(q, n_test):
+    """Wrong acceptances by the phase of the prefix (evaluate.py --by-phase), where it ran."""
+    ph = lambda n: (res(q.results, n, PHASE[1]) or {}).get("wrong_steps_by_phase")
+    if not (have := [n for n in PHASE[0] if ph(n)]):
+        return []
+    L = ["", f"## Where the τ rule goes wrong: by the phase of the prefix (τ = {PHASE[1]})", "",
+         f"One step of §5 from every prefix of the {n_test} reference replies (`evaluate.py "
+         "--by-phase`): the share of steps, among those whose c_0 is right, that also accept a wrong "
+         "token. Training forms its noisy blocks at multiples of B from index 0, so only phase 0 "
+         "(prefix length a multiple of B) is a case training showed as such; a decoder that accepts "
+         "1..B tokens per step meets every phase. The data's four system turns (data/synthetic.py) "
+         "vary each row's phase mod 4, so that at B = 4 every reply token is trained at every "
+         "lookahead (for B = 8 and 16 only part of the phases are covered).", ""]
+    return L + table(["variant", *(f"phase {r}" for r in ph(have[0]))],  # {phase: [steps, wrong]}
+                     [[q.label(n), *(f"{100 * w / max(k, 1):.2f}% of {k}" for k, w in ph(n).values())]
+                      for n in have])
+
+
+def bench_sections(R):
+    """The benchmarks' logs that ran (bench_*.txt in R), each with the paper's number beside it."""
     benches = [("Training cost (scripts/bench_train.py)", "bench_train.txt",
                 "Paper: about 2x the AR SFT time and about 1.5x its peak memory."),
                ("Decoding speed (scripts/bench_generate.py)", "bench_generate.txt",
@@ -217,14 +251,24 @@ def write_results(R, results, meta, cmds):
                 "batch 16). On a CPU and a 1M-parameter model a forward is cheap and overheads dominate."),
                ("Exact mode (scripts/bench_exact.py)", "bench_exact.txt",
                 "Exact mode's output equals AR greedy decoding token for token (exact.py).")]
+    L = []
     for title, name, note in benches:
         if os.path.isfile(os.path.join(R, name)):
             with open(os.path.join(R, name)) as f:
                 L += ["", f"## {title}", "", note, "", "```", f.read().rstrip(), "```"]
+    return L
+
+
+def write_results(R, results, meta, cmds):
+    """R/RESULTS.md: the header, the paper's tables, the phase table, the benchmarks, the masks,
+    the commands that ran and the time per variant."""
+    q = Lookup(results)
+    L = results_header(meta) + paper_tables(q, meta["taus"]) + phase_table(q, meta["n_test"])
+    L += bench_sections(R)
     L += ["", "## The attention masks", "", "![MARS attention masks](mask.png)", "", "## Commands", "",
           f"Everything above: `python -m scripts.reproduce{meta['argv']}`. It ran:", "", "```"]
     L += cmds + ["```", "", "## Time per variant (seconds, this machine)", ""]
-    L += table(["variant", "train", "evaluate"], [[label(n), fmt(results[n].get("train_s"), ".0f"),
+    L += table(["variant", "train", "evaluate"], [[q.label(n), fmt(results[n].get("train_s"), ".0f"),
                                                     fmt(results[n].get("eval_s"), ".0f")] for n in results])
     write_text(os.path.join(R, "RESULTS.md"), "\n".join(L) + "\n")
 
