@@ -2,6 +2,7 @@
 under test: the spec's rules written out as Python loops, and Hugging Face
 transformers' Qwen2 run on plain causal inputs (one separate pass per block / target)."""
 
+import copy
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import make_hf_model
 from mars import (
     ar_loss,
     collate,
+    inverse_t_weights,
     mars_attention_mask,
     mars_loss,
     noisy_stream,
@@ -165,9 +167,10 @@ def hf_row_ar_losses(hf, ids, labels):
         return [hf(ids[r:r + 1], labels=labels[r:r + 1]).loss for r in range(ids.shape[0])]
 
 
-def brute_force_l_mask(hf, ids, labels, B):
+def brute_force_l_mask(hf, ids, labels, B, row_weight=None):
     """For each loss target t: HF on [clean x_<kB, masked x_kB..x_{t-1}] (k = block of
-    t-1), CE of x_t at the last output; mean per row, then over the rows."""
+    t-1), CE of x_t at the last output; mean per row (times row_weight[r] if given),
+    then over the rows."""
     noisy = masked_by_rule(ids, labels)
     per_row = []
     for r in range(ids.shape[0]):
@@ -179,7 +182,7 @@ def brute_force_l_mask(hf, ids, labels, B):
             ref_in = torch.cat([ids[r, :k * B], noisy[r, k * B:t]])
             last = hf_logits(hf, ref_in)[-1]
             ces.append(F.cross_entropy(last[None], labels[r, t:t + 1]))
-        per_row.append(torch.stack(ces).mean())
+        per_row.append(torch.stack(ces).mean() * (1 if row_weight is None else row_weight[r]))
     return torch.stack(per_row).mean()
 
 
@@ -288,6 +291,42 @@ def test_without_l_ar_loss_is_l_mask(models):
     assert none[0] == none[1] == full[1]
     assert torch.isnan(none[2])
     assert abs(half[0] - (full[1] + 0.5 * full[2])) <= TOL
+
+
+def test_inverse_t_weights_follow_the_released_rule():
+    """1/t with t = 1e-3 + (1 - 1e-3) u, u ~ U[0, 1) per row (§4): the same draw of u gives
+    the same weights, and a million draws have the law's range and mean."""
+    u = torch.rand(5, generator=torch.Generator().manual_seed(3))
+    want = 1 / (1e-3 + (1 - 1e-3) * u.double())
+    got = inverse_t_weights(5, torch.Generator().manual_seed(3)).double()
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)  # fp32 rounding of one affine map and a division
+    many = inverse_t_weights(10**6, torch.Generator().manual_seed(4)).double()
+    assert many.min() >= 1 and many.max() <= 1000 * (1 + 1e-6)
+    # E[1/t] = ln(1000) / 0.999 = 6.9147; sd of 1/t is ~31, so of the mean of 1e6 draws ~0.031
+    assert abs(many.mean() - torch.log(torch.tensor(1000.0)) / 0.999) < 0.2
+    # P(1/t > 100) = P(t < 0.01) = 0.009 / 0.999; sd of the fraction ~1e-4
+    assert abs((many > 100).double().mean() - 0.009 / 0.999) < 1e-3
+
+
+@pytest.mark.parametrize("w", [0.0, 1.0])
+def test_inverse_t_weighted_loss_is_the_rule_written_out_on_hf(models, w):
+    """noisy_row_weight multiplies each row's noisy mean (HF, one pass per target) before
+    the batch average; the clean part is untouched. float64, where rounding is not the question."""
+    hf, ours = models
+    hf64, ours64 = copy.deepcopy(hf).double(), copy.deepcopy(ours).double()
+    B = 4
+    ids, labels = make_batch(B)
+    weight = inverse_t_weights(ids.shape[0], torch.Generator().manual_seed(1)).double()
+    with torch.no_grad():
+        loss, l_mask, l_ar = mars_loss(ours64, ids, labels, MASK, B, w=w, noisy_row_weight=weight)
+        plain = mars_loss(ours64, ids, labels, MASK, B, w=1.0)
+    assert l_mask.dtype == torch.float64
+    want = brute_force_l_mask(hf64, ids, labels, B, weight)
+    # not 1e-12: HF computes RoPE's angles in fp32 even in a float64 model (measured
+    # 1.0e-8 relative here, 4.6e-9 without the weights), a margin of 10x
+    assert abs(l_mask - want) <= 1e-7 * want
+    assert abs(loss - (l_mask + (w * plain[2] if w else 0))) <= 1e-12
+    assert abs(l_mask - plain[1]) > 0.1  # the weights (1.32 and 3.57 here) do change the loss
 
 
 def block_diffusion_mask(prefix, B):
