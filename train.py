@@ -49,7 +49,7 @@ from mars import ar_loss, collate, mars_loss, pad_row
 from model import Qwen2, Qwen2Config, init_weights
 from util.atomic import atomic_write, recover_dir, replace_dir, write_json
 from util.memory import memory_parts
-from util.precision import DTYPES, autocast, compute_dtype
+from util.precision import DTYPES, autocast, compute_dtype, weight_dtype
 from util.runlog import STAGES, RunLog, read_log
 
 
@@ -100,6 +100,7 @@ class Settings:
     seed: int = 0
     device: str = "auto"  # auto = cuda if available, else cpu
     dtype: str = "auto"  # compute dtype (autocast); auto = bfloat16 on CUDA, float32 on CPU; weights fp32
+    #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
     compile: bool = False  # torch.compile
     gradient_checkpointing: bool = False
     fsdp: bool = False  # under torchrun: FSDP2 fully_shard instead of DDP (7B)
@@ -333,13 +334,13 @@ def initial_model(S, tok, special):
 def val_loss(runner, net, val, S, special, rank, world, device, amp):
     """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
-    acc = torch.zeros(2, device=device)
+    acc = torch.zeros(2, dtype=torch.float64, device=device)
     net.train(False)
     for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
         x, y, _ = make_batch(val, part, S, special, device)  # the same number of forwards on every rank
         with amp:
-            acc += torch.stack([runner(x, y)[0].float() * len(part), torch.tensor(float(len(part)),
-                                                                                device=device)])
+            n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=device)
+            acc += torch.stack([runner(x, y)[0].double() * n_part, n_part])
     net.train(True)
     if world > 1:
         dist.all_reduce(acc)
@@ -472,7 +473,9 @@ def resume_point(r):
 def build_model(r, state):
     """The model (from the checkpoint, init_from or scratch), on its device, wrapped for the run."""
     S, special = r.S, r.special
-    model = Qwen2.from_pretrained(r.ckpt) if state is not None else initial_model(S, r.tok, special)
+    dtype = compute_dtype(S.dtype, r.device)
+    model = Qwen2.from_pretrained(r.ckpt, weight_dtype(dtype)) if state is not None else \
+        initial_model(S, r.tok, special)
     cfg, data = model.config, r.data
     top = max(special["mask"], int(data["train"]["ids"].max()), int(data["val"]["ids"].max(initial=0)))
     if cfg.vocab_size <= top:
@@ -481,9 +484,8 @@ def build_model(r, state):
     eos_ids = [special["eos"], getattr(r.tok, "endoftext_id", None)]
     eos_ids += cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     r.eos_ids = [e for e in dict.fromkeys(eos_ids) if e is not None]
-    model.to(r.device)
+    model.to(r.device, weight_dtype(dtype))
     model.gradient_checkpointing = S.gradient_checkpointing
-    dtype = compute_dtype(S.dtype, r.device)
     r.say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
           f"{cfg.vocab_size}; {len(data['train']['offsets']) - 1} train rows; {r.world} process(es) on "
           f"{r.device}, {str(dtype).removeprefix('torch.')}")
@@ -493,8 +495,8 @@ def build_model(r, state):
     if r.world > 1 and S.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # FSDP2 casts the gathered weights (instead of autocast) and reduces gradients in fp32
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        # FSDP2 casts the gathered weights (instead of autocast) and reduces gradients in the weights' dtype
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=weight_dtype(dtype))
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(r.net, mp_policy=mp)
@@ -567,7 +569,7 @@ def train_step(r, opt, stage, step):
     S, world, net, mb = r.S, r.world, r.net, r.S.micro_batch_size
     accum = micro_batches(S, world)
     rows = batch_rows(r.data["train"], S, stage, step)  # the step's global batch
-    acc = torch.zeros(4, device=r.device)  # loss, l_mask, l_ar, tokens of this process
+    acc = torch.zeros(4, dtype=torch.float64, device=r.device)  # loss, l_mask, l_ar, tokens of this process
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
         x, y, n_tok = make_batch(r.data["train"], rows[k * mb:(k + 1) * mb], S, r.special, r.device)
@@ -577,8 +579,8 @@ def train_step(r, opt, stage, step):
             with r.amp:
                 loss, l_mask, l_ar = r.runner(x, y)  # means over this micro-batch's rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
-        acc += torch.stack([loss.detach().float() / accum, l_mask.float() / accum,
-                            l_ar.float() / accum, torch.tensor(float(n_tok), device=r.device)])
+        acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
+                            l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])
     gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or math.inf)
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
     if world > 1:
