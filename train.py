@@ -14,7 +14,7 @@ from the model the first left. Outputs, each a plain Qwen2 that transformers loa
     python train.py --config configs/qwen2.5-0.5b-24gb.json --init_from=DIR --data_dir=DIR
     torchrun --nproc_per_node=8 train.py --config configs/qwen2.5-7b-multigpu.json
 
-Every setting is a field of `Settings` below; its defaults are the default run
+Every setting is a field of `Settings` (settings.py); its defaults are the default run
 (= configs/default.json). `--config FILE.json` and `--key=value` override them, in order.
 
 Exact resume: the rows of step s are a pure function of (seed, stage, s) (`step_rows`:
@@ -30,13 +30,12 @@ DDP (or FSDP2 with fsdp=true) averages the gradients, and the logged loss is all
 """
 
 import hashlib
-import json
 import math
 import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -47,120 +46,11 @@ from checkpoint import gather, load_optimizer, write_checkpoint, write_release
 from data.prepare import load_npz
 from mars import ar_loss, collate, mars_loss, pad_row
 from model import Qwen2, Qwen2Config, init_weights
-from util.atomic import atomic_write, recover_dir, replace_dir, write_json
+from settings import RESUME_FREE, Settings, parse_settings
+from util.atomic import recover_dir, replace_dir, write_json
 from util.memory import memory_parts
-from util.precision import DTYPES, autocast, compute_dtype, weight_dtype
-from util.runlog import STAGES, RunLog, read_log
-
-
-@dataclass
-class Settings:
-    # data, model
-    data_dir: str = "data/default"  # train.npz + val.npz (data/prepare.py); data/default is built if absent
-    out_dir: str = "out/default"
-    init_from: str = "scratch"  # "scratch" (the tiny model below) or an HF-layout Qwen2.5 directory
-    tokenizer: str = ""  # dir; "" = data_dir/tokenizer if present, else init_from; "none" = ids below
-    mask_id: int = -1  # -1 = the tokenizer's <|mask|> (§2)
-    eos_id: int = -1  # -1 = the tokenizer's <|im_end|>
-    pad_id: int = -1  # -1 = the tokenizer's <|endoftext|>
-    n_layer: int = 4  # scratch model: layers, width, heads, kv heads, MLP width
-    n_embd: int = 128
-    n_head: int = 4
-    n_kv_head: int = 2
-    intermediate: int = 384
-    vocab_size: int = 0  # scratch model: 0 = the tokenizer's (must exceed mask_id)
-    init_std: float = 0.02
-    # method (§3-§4)
-    block_size: int = 4  # B
-    w_ar: float = 1.0  # weight of L_AR; 0 = the "w/o L_AR" ablation
-    bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
-    # optimisation (§7)
-    ar_steps: int = 4000
-    mars_steps: int = 1500
-    epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
-    batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
-    micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
-    bucket_window: int = 8  # > 1: batches of similar lengths, drawn from windows of this many steps (1 = off)
-    max_len: int = 512  # longest row train.npz may hold (data/prepare.py --max-len)
-    lr: float = 1e-3
-    min_lr_frac: float = 0.0  # the cosine ends at lr * min_lr_frac
-    warmup_frac: float = 0.03
-    weight_decay: float = 0.1  # matrices only (not biases, norms)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
-    # logging, evaluation, checkpoints
-    log_interval: int = 100
-    eval_interval: int = 1000
-    eval_rows: int = 256  # the fixed val subset: the first eval_rows rows of val.npz
-    ckpt_interval: int = 500
-    resume: bool = True  # continue from out_dir/ckpt if it exists; False = start over
-    eval_at_end: bool = True  # evaluate.evaluate(out_dir/mars) at tau = 1 and 0.9 when done
-    # system
-    seed: int = 0
-    device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # compute dtype (autocast); auto = bfloat16 on CUDA, float32 on CPU; weights fp32
-    #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
-    compile: bool = False  # torch.compile
-    gradient_checkpointing: bool = False
-    fsdp: bool = False  # under torchrun: FSDP2 fully_shard instead of DDP (7B)
-    gpu_mem_gb: float = 0.0  # > 0: say whether estimate_memory fits this much
-
-
-# settings that may differ when resuming (they do not change the trajectory's maths)
-RESUME_FREE = {"data_dir", "out_dir", "init_from", "tokenizer", "log_interval", "eval_interval", "eval_rows",
-               "ckpt_interval", "resume", "eval_at_end", "device", "compile", "gradient_checkpointing",
-               "micro_batch_size", "gpu_mem_gb"}
-
-
-def parse_settings(argv):
-    """Settings from `--config FILE.json` (plain JSON; keys starting with "_" are comments)
-    and `--key=value`, applied left to right over the defaults, typed like the defaults."""
-    s, types = Settings(), {f.name: type(f.default) for f in fields(Settings)}
-
-    def put(key, value, source, text):
-        kind = types.get(key)
-        if kind is None:
-            raise SystemExit(f"{source}: unknown setting {key!r} (see Settings in train.py)")
-        if text and kind is not str:  # from the command line: parse the text
-            try:
-                value = {"true": True, "1": True, "false": False, "0": False}[value.lower()] \
-                    if kind is bool else kind(value)
-            except (KeyError, ValueError):
-                raise SystemExit(f"{source}: {key}={value!r} is not a {kind.__name__}") from None
-        value = float(value) if kind is float and type(value) is int else value
-        if type(value) is not kind:
-            raise SystemExit(f"{source}: {key} must be a {kind.__name__}, got {value!r}")
-        setattr(s, key, value)
-
-    args = list(argv)
-    while args:
-        a = args.pop(0)
-        if a == "--config" and args:
-            a = "--config=" + args.pop(0)
-        if not a.startswith("--") or "=" not in a:
-            raise SystemExit(f"bad argument {a!r}: expected --key=value or --config FILE.json")
-        key, value = a[2:].split("=", 1)
-        if key != "config":
-            put(key.replace("-", "_"), value, "command line", text=True)
-            continue
-        try:
-            with open(value) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--config {value}: {e}") from None
-        if not isinstance(cfg, dict):
-            raise SystemExit(f"--config {value}: not a JSON object")
-        for k, v in cfg.items():
-            if not k.startswith("_"):
-                put(k, v, value, text=False)
-    if s.dtype not in DTYPES:
-        raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
-    for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "log_interval",
-              "eval_interval", "ckpt_interval"):
-        if getattr(s, k) < 1:
-            raise SystemExit(f"{k} must be >= 1, got {getattr(s, k)}")
-    return s
+from util.precision import autocast, compute_dtype, weight_dtype
+from util.runlog import STAGES, RunLog, plot_losses
 
 
 # ----------------------------------------------------------------------------- data
@@ -261,29 +151,6 @@ def make_optimizer(net, S, device):
               {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
     kw = {"fused": True} if device.type == "cuda" and not S.fsdp else {"foreach": True}
     return torch.optim.AdamW(groups, lr=S.lr, betas=(S.beta1, S.beta2), **kw)
-
-
-def plot_losses(S, totals):
-    """out_dir/loss.png from log.jsonl: loss, L_mask, L_AR and val loss over both stages."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = read_log(os.path.join(S.out_dir, "log.jsonl"))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for kind, key, style in (("train", "loss", "-"), ("train", "l_mask", ":"), ("train", "l_ar", "--"),
-                             ("val", "val_loss", "o-")):
-        pts = [(r["step"] + (totals["ar"] if r["stage"] == "mars" else 0), r[key]) for stage in STAGES
-               for r in recs + [{"kind": kind, "stage": stage, "step": 0, key: math.nan}]  # NaN: a gap
-               if r["kind"] == kind and r["stage"] == stage and r.get(key) is not None]
-        if any(not math.isnan(y) for _, y in pts):
-            ax.plot(*zip(*pts), style, label=key, markersize=3)
-    ax.axvline(totals["ar"], color="gray", lw=0.8)
-    ax.set(xlabel="optimizer step (AR SFT, then MARS)", ylabel="loss", yscale="log")
-    ax.legend()
-    atomic_write(os.path.join(S.out_dir, "loss.png"), lambda f: fig.savefig(f, format="png", dpi=100), "wb")
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- training
@@ -558,7 +425,7 @@ def run_stage(r, stage, start, state, t):
                 r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
                 r.say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
             if r.rank == 0:
-                plot_losses(S, r.totals)
+                plot_losses(S.out_dir, r.totals)
         if done % S.ckpt_interval == 0 or done == total:
             save(r, opt, stage, done, total)
 

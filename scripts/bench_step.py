@@ -36,6 +36,7 @@ from generate import ar_decode
 from kvcache import KVCache
 from mars import mars_loss
 from model import Qwen2
+from settings import parse_settings
 
 KERNELS = ("aten::mm", "aten::addmm", "aten::bmm")  # + every op whose name holds "scaled_dot_product"
 
@@ -54,7 +55,7 @@ def med(xs, i):
 
 
 def default_model():
-    S = train.parse_settings([])
+    S = parse_settings([])
     tok, ids = train.special_ids(S)
     return S, ids, train.initial_model(S, tok, ids)
 

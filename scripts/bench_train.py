@@ -30,6 +30,7 @@ import torch
 import train
 from data.prepare import load_npz
 from scripts.common import machine
+from settings import Settings, parse_settings
 from util.precision import autocast, compute_dtype
 
 MODES = {  # name -> (train.py stage, setting overrides)
@@ -82,7 +83,7 @@ def bench_mode(model0, S, stage, data, special, device, steps, warmup):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="Any other --key=value is a train.py setting (see train.Settings).")
+                                epilog="Any other --key=value is a train.py setting (see settings.Settings).")
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--modes", default="ar,mars", help=f"comma-separated, of {','.join(MODES)}")
@@ -93,9 +94,9 @@ def main(argv=None):
         raise SystemExit(f"unknown mode(s) {unknown}: choose from {list(MODES)}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    S = train.parse_settings(rest)
+    S = parse_settings(rest)
     if not os.path.isfile(os.path.join(S.data_dir, "train.npz")):
-        if S.data_dir != train.Settings.data_dir:
+        if S.data_dir != Settings.data_dir:
             raise SystemExit(f"{S.data_dir}: no train.npz (make it with data/prepare.py)")
         from data.synthetic import build_default
 

@@ -38,15 +38,15 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import train
 from data.synthetic import FAMILIES, read_jsonl
+from settings import Settings, parse_settings
 from util.atomic import write_json, write_text
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # the paper's sweep (§5)
-TRAIN_SOURCES = ("train.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py", "chat_template.py",
-                 "data/synthetic.py", "data/bpe.py", "data/prepare.py", "util/atomic.py", "util/precision.py",
-                 "util/runlog.py", "util/memory.py")
+TRAIN_SOURCES = ("train.py", "settings.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py",
+                 "chat_template.py", "data/synthetic.py", "data/bpe.py", "data/prepare.py", "util/atomic.py",
+                 "util/precision.py", "util/runlog.py", "util/memory.py")
 EVAL_SOURCES = ("evaluate.py", "generate.py", "decoding.py", "exact.py", "chat.py", "kvcache.py")
 FAMILY_COLS = FAMILIES  # data/synthetic.py
 # MARS_SPEC §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
@@ -386,14 +386,14 @@ def plan(a):
     scale = a.steps_scale if a.steps_scale is not None else 0.25 if a.quick else 1.0
     limit = a.limit if a.limit is not None else 100 if a.quick else None
     taus = [float(t) for t in a.taus.split(",")]
-    S = train.parse_settings([f"--config={a.config}"])
+    S = parse_settings([f"--config={a.config}"])
     if S.epochs > 0:
         raise SystemExit(f"{a.config}: epochs={S.epochs:g}; reproduce.py scales ar_steps and mars_steps, "
                          "so use a config with epochs=0")
     A, M = max(1, round(S.ar_steps * scale)), max(1, round(S.mars_steps * scale))
     with open(a.config) as f:
         root = f"{a.out}/{A}+{M}-{digest(TRAIN_SOURCES, f.read())}"
-    data_dir = f"{root}/data" if S.data_dir == train.Settings.data_dir else S.data_dir  # fresh default data
+    data_dir = f"{root}/data" if S.data_dir == Settings.data_dir else S.data_dir  # fresh default data
     jobs = a.jobs if a.jobs is not None else max(1, min(4, (os.cpu_count() or 1) // max(1, a.threads)))
     if jobs < 1:
         raise SystemExit(f"--jobs must be >= 1, got {jobs}")

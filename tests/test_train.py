@@ -40,8 +40,10 @@ from safetensors.torch import load_file
 import train
 from data.bpe import train_bpe
 from model import Qwen2, Qwen2Config
+from settings import Settings, parse_settings
 from tokenizer import Tokenizer
 from util import memory
+from util.runlog import read_log
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10  # per stage; checkpoints every 5
@@ -84,7 +86,7 @@ def ref64(data_dir, two_process_runs, tmp_path_factory):
 
 def records(out):
     """The logged train and val records, without the wall-clock field."""
-    return [{k: v for k, v in r.items() if k != "tok_s"} for r in train.read_log(out / "log.jsonl")
+    return [{k: v for k, v in r.items() if k != "tok_s"} for r in read_log(out / "log.jsonl")
             if r["kind"] in ("train", "val")]
 
 
@@ -233,7 +235,7 @@ def test_sigkill_then_resume_continues_exactly(ref, data_dir, tmp_path, capsys):
     with open(tmp_path / "stdout.txt", "w") as log:
         p = launch(args(data_dir, out), log)
         deadline = time.time() + 180
-        while not any(r["kind"] == "ckpt" for r in train.read_log(out / "log.jsonl")):
+        while not any(r["kind"] == "ckpt" for r in read_log(out / "log.jsonl")):
             assert p.poll() is None, (tmp_path / "stdout.txt").read_text()
             assert time.time() < deadline, "no checkpoint within 180 s"
             time.sleep(0.005)
@@ -371,7 +373,7 @@ def test_init_from_an_hf_checkpoint_trains_that_model(data_dir, tmp_path):
     d = np.load(data_dir / "train.npz")
     per_row = []
     off = d["offsets"]  # step 1's rows, by the rule of train.step_rows (the default's length buckets)
-    rows = train.step_rows(len(off) - 1, 8, 0, "ar", 0, off[1:] - off[:-1], train.Settings.bucket_window)
+    rows = train.step_rows(len(off) - 1, 8, 0, "ar", 0, off[1:] - off[:-1], Settings.bucket_window)
     for i in rows.tolist():
         a, b = d["offsets"][i], d["offsets"][i + 1]
         n_pad = -(b - a) % 4
@@ -381,7 +383,7 @@ def test_init_from_an_hf_checkpoint_trains_that_model(data_dir, tmp_path):
             logits = hf(ids[None]).logits[0]
         ce = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
         per_row.append(ce[carries[1:]].mean())
-    first = train.read_log(out / "log.jsonl")[0]
+    first = read_log(out / "log.jsonl")[0]
     assert (first["stage"], first["step"]) == ("ar", 1)
     assert math.isclose(first["loss"], torch.stack(per_row).mean().item(), rel_tol=1e-5)
     assert not (out / "mars").exists() and Qwen2.from_pretrained(str(out / "ar")).config.vocab_size == 320
@@ -399,7 +401,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
     assert m and "last good checkpoint" in msg, msg
     stage, step = m[2], int(m[3])
     assert step >= 2  # step 1 starts from the finite initial model
-    recs = train.read_log(out / "log.jsonl")
+    recs = read_log(out / "log.jsonl")
     done = [(r["stage"], r["step"]) for r in recs if r["kind"] == "train"]
     assert done[-1] == (stage, step - 1)
     assert all(math.isfinite(r["loss"]) for r in recs if r["kind"] == "train")
@@ -411,10 +413,10 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path
 def test_settings_overrides_and_errors(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"_comment": "ignored", "lr": 1, "n_layer": 6, "bidirectional": True}))
-    s = train.parse_settings(["--lr=0.5", "--config", str(cfg), "--n-layer=3", "--w_ar=0"])
+    s = parse_settings(["--lr=0.5", "--config", str(cfg), "--n-layer=3", "--w_ar=0"])
     assert (s.lr, s.n_layer, s.bidirectional, s.w_ar, s.block_size) == (1.0, 3, True, 0.0, 4)
     assert type(s.lr) is float and type(s.n_layer) is int
-    assert train.parse_settings(["--bidirectional=false", "--init_from=/x"]).init_from == "/x"
+    assert parse_settings(["--bidirectional=false", "--init_from=/x"]).init_from == "/x"
     for argv, err in ((["--lrr=1"], "unknown setting 'lrr'"),
                       (["--n_layer=two"], "n_layer='two' is not a int"),
                       (["--resume=maybe"], "resume='maybe' is not a bool"),
@@ -423,13 +425,13 @@ def test_settings_overrides_and_errors(tmp_path):
                       (["--block_size=0"], "block_size must be >= 1"),
                       (["--config", str(tmp_path / "absent.json")], "absent.json")):
         with pytest.raises(SystemExit, match=re.escape(err)):
-            train.parse_settings(argv)
+            parse_settings(argv)
     cfg.write_text(json.dumps({"n_layer": "3"}))
     with pytest.raises(SystemExit, match=re.escape(f"{cfg}: n_layer must be a int")):
-        train.parse_settings(["--config", str(cfg)])
+        parse_settings(["--config", str(cfg)])
     cfg.write_text(json.dumps({"n_layers": 3}))
     with pytest.raises(SystemExit, match=re.escape(f"{cfg}: unknown setting 'n_layers'")):
-        train.parse_settings(["--config", str(cfg)])
+        parse_settings(["--config", str(cfg)])
 
 
 def test_resume_refuses_a_checkpoint_of_different_settings(ref, data_dir, tmp_path):
@@ -444,14 +446,14 @@ def test_resume_refuses_a_checkpoint_of_different_settings(ref, data_dir, tmp_pa
 def test_named_configs(tmp_path):
     """default.json is the defaults of train.py (python train.py == the default config); the
     0.5B config fits one 24 GB GPU by estimate_memory, and would not without checkpointing."""
-    assert train.parse_settings(["--config", str(REPO / "configs/default.json")]) == train.Settings()
+    assert parse_settings(["--config", str(REPO / "configs/default.json")]) == Settings()
     # reproduce.py's config: the default run but for the schedule of results/RESULTS.md
-    rep = train.parse_settings(["--config", str(REPO / "configs/reproduce.json")])
+    rep = parse_settings(["--config", str(REPO / "configs/reproduce.json")])
     assert (rep.ar_steps, rep.mars_steps) == (3000, 4000)
-    assert dataclasses.replace(rep, ar_steps=train.Settings.ar_steps,
-                               mars_steps=train.Settings.mars_steps) == train.Settings()
-    small = train.parse_settings(["--config", str(REPO / "configs/qwen2.5-0.5b-24gb.json")])
-    big = train.parse_settings(["--config", str(REPO / "configs/qwen2.5-7b-multigpu.json")])
+    assert dataclasses.replace(rep, ar_steps=Settings.ar_steps,
+                               mars_steps=Settings.mars_steps) == Settings()
+    small = parse_settings(["--config", str(REPO / "configs/qwen2.5-0.5b-24gb.json")])
+    big = parse_settings(["--config", str(REPO / "configs/qwen2.5-7b-multigpu.json")])
     assert small.gradient_checkpointing and small.dtype == "bfloat16" and small.block_size == 4
     assert small.batch_size == 384 and small.lr == 5e-6 and small.max_len == 512 and small.epochs == 5
     assert big.fsdp and big.batch_size == 384
