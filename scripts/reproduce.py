@@ -47,7 +47,8 @@ TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # the paper's sweep (§5)
 TRAIN_SOURCES = ("train.py", "settings.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py",
                  "chat_template.py", "data/synthetic.py", "data/bpe.py", "data/prepare.py", "util/atomic.py",
                  "util/precision.py", "util/runlog.py", "util/memory.py")
-EVAL_SOURCES = ("evaluate.py", "generate.py", "decoding.py", "exact.py", "chat.py", "kvcache.py")
+EVAL_SOURCES = ("evaluate.py", "generate.py", "decoding.py", "sampling.py", "exact.py", "chat.py",
+                "kvcache.py")
 FAMILY_COLS = FAMILIES  # data/synthetic.py
 # MARS_SPEC §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
 PAPER_ONE_TOKEN = {"ar_sft": "28.7 / 56.6", "mars_b4": "30.4 / 58.1"}
