@@ -1,5 +1,6 @@
-"""Proofs for tokenizer.py, each against an independent reference (HF `tokenizers` /
-`transformers`, or a rule read straight off the string), never against our own output.
+"""Proofs for tokenizer.py, chat_template.py and data/bpe.py, each against an independent
+reference (HF `tokenizers` / `transformers`, or a rule read straight off the string), never
+against our own output.
 
 - A byte-level BPE trained by HF's `tokenizers` with Qwen2's normaliser and pre-tokenizer,
   loaded by `transformers` (Qwen2Tokenizer), gives the same ids as ours on a mixed corpus.
