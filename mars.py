@@ -12,6 +12,8 @@ the method is in how one batch is laid out and which tokens may see which:
   two_stream_batch   inputs and shared position ids of the 2l-token forward (§3)
   two_stream_window  the same forward as it is run: only the noisy blocks the loss reads
   mars_loss          one forward, CE_noisy + w * CE_clean per target (§4)
+  teacher_kl         KL(teacher || model) from the teacher's top-k + the rest's mass: an
+                     L_AR target beyond the paper (mars_loss(ar_teacher=...), issue 21)
   inverse_t_weights  the released "w/o L_AR" runs' 1/t weight of each row's noisy loss (§4)
   ar_loss            the plain AR SFT loss of the stage before MARS (§2)
 
@@ -201,6 +203,43 @@ def _ce_at(model, h, rows, src, tokens):
     return F.cross_entropy(logits, tokens, reduction="none")  # (n,)
 
 
+def teacher_kl(logits, t_logp, t_ids, t_rest):
+    """KL(teacher || model) per target (n,), the teacher given by its top k: beyond the paper.
+
+    MARS_SPEC §4's L_AR is CE on the row's tokens; this is the other L_AR target
+    (Settings.ar_target = "teacher", issue 21): the frozen base's next-token distribution,
+    kept as its k largest log-probabilities t_logp (n, k) at ids t_ids (n, k) and the mass
+    t_rest (n,) of the other V - k tokens. With S the top-k set, p the teacher, q the model,
+    r = t_rest and Q = q(not S) (both distributions coarsened to k + 1 outcomes):
+        KL = sum_{i in S} p_i (log p_i - log q_i) + r (log r - log Q)
+    It equals the full-vocabulary KL when k = V (r = 0; 0 log 0 = 0) and is below it
+    otherwise; its gradient in the logits is q - t, t = p on S and r q / Q off S. The k + 1
+    teacher masses are renormalised to sum to 1 (float16 storage rounds them).
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (n, V)
+    logq = torch.log_softmax(logits, -1)
+    p, r = t_logp.to(logq.dtype).exp(), t_rest.to(logq.dtype)  # (n, k), (n,)
+    if t_ids.shape[1] >= logq.shape[1]:  # k = V: no token outside the top k, whatever rounding left in r
+        r = torch.zeros_like(r)
+    total = p.sum(1) + r
+    p, r = p / total[:, None], r / total
+    ids = t_ids.long()
+    # log Q as the logsumexp of the ids outside S, not log(1 - q(S)), which cancels in fp32;
+    # a row with r = 0 (k = V) has no rest term: its logits stay finite, and so its backward
+    outside = torch.where((r > 0)[:, None], logq.scatter(1, ids, float("-inf")), torch.zeros_like(logq))
+    logq_rest = torch.logsumexp(outside, 1)  # (n,)
+    top = (torch.xlogy(p, p) - p * logq.gather(1, ids)).sum(1)
+    return top + torch.where(r > 0, torch.xlogy(r, r) - r * logq_rest, torch.zeros_like(r))
+
+
+def _clean_at(model, h, rows, src, tokens, teacher=None):
+    """L_AR's term per target: CE on the tokens (§4), or teacher_kl when a teacher is given
+    ({"logp", "ids", "rest"}, one row per target in _targets' order: row by row, left to right)."""
+    if teacher is None:
+        return _ce_at(model, h, rows, src, tokens)
+    return teacher_kl(model.lm_head(h[rows, src]), teacher["logp"], teacher["ids"], teacher["rest"])
+
+
 def _per_sequence_mean(ce, rows, n_rows: int, row_weight=None):
     """Mean over each row's targets, then over the rows that have any target (§4);
     row_weight (N,), optional, multiplies each row's mean before the batch average.
@@ -228,7 +267,7 @@ def inverse_t_weights(n_rows: int, generator=None, device=None, eps: float = 1e-
 
 def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
               bidirectional: bool = False, two_stream: bool = True, trim_noisy: bool = False,
-              noisy_row_weight=None):
+              noisy_row_weight=None, ar_teacher=None):
     """The MARS loss (§3-§4) of a batch: (loss, l_mask, l_ar), loss = l_mask + w * l_ar.
 
     ids, labels (N, l), l a multiple of B (collate). One forward over [clean | noisy]
@@ -244,6 +283,9 @@ def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
     t ~ U[1e-3, 1): pass noisy_row_weight = inverse_t_weights(N) for that objective
     (None, the default, is the spec's unweighted loss); l_mask is then the weighted one.
     bidirectional = True is the "Block Diffusion style" ablation (§4).
+    ar_teacher = {"logp", "ids", "rest"} (one row per target, _targets' order) makes l_ar
+    KL(teacher || model) on the clean stream instead of CE (teacher_kl; beyond the paper);
+    the noisy stream keeps CE on the tokens.
     two_stream = True runs the forward as two_stream_window (clean stream plain causal);
     trim_noisy = True also leaves out the noisy blocks the loss never reads (noisy_window:
     prompt and padding blocks; the forward then holds l + W tokens, W < l, instead of 2l).
@@ -266,19 +308,21 @@ def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
     l_mask = _per_sequence_mean(_ce_at(model, h, rows, noisy_src, tokens), rows, N, noisy_row_weight)
     if w == 0:
         return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
-    l_ar = _per_sequence_mean(_ce_at(model, h, rows, src, tokens), rows, N)
+    clean = _clean_at(model, h, rows, src, tokens, ar_teacher)
+    l_ar = _per_sequence_mean(clean, rows, N)
     return l_mask + w * l_ar, l_mask, l_ar
 
 
-def ar_loss(model, ids, labels):
+def ar_loss(model, ids, labels, ar_teacher=None):
     """Plain AR SFT loss (the stage before MARS, §2): the clean row alone, causal.
 
     Same right shift and per-sequence normalisation as mars_loss, so it equals
-    mars_loss's l_ar on the same batch.
+    mars_loss's l_ar on the same batch (with the same ar_teacher: KL instead of CE).
     """
     h = model.hidden(ids)  # (N, l, C), plain causal mask, positions 0..l-1
     rows, src, tokens = _targets(labels)
-    return _per_sequence_mean(_ce_at(model, h, rows, src, tokens), rows, ids.shape[0])
+    clean = _clean_at(model, h, rows, src, tokens, ar_teacher)
+    return _per_sequence_mean(clean, rows, ids.shape[0])
 
 
 # ----------------------------------------------------------------------------- exact mode (exact.py)

@@ -38,6 +38,7 @@ class Settings:
     block_size: int = 4  # B
     w_ar: float = 1.0  # weight of L_AR; 0 = the "w/o L_AR" ablation
     bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
+    ar_target: str = "tokens"  # L_AR: "tokens" = CE (§4); "teacher" = KL to the top-k teacher in the data
     # optimisation (§7)
     ar_steps: int = 4000
     mars_steps: int = 1500
@@ -118,6 +119,8 @@ def parse_settings(argv):
         for k, v in cfg.items():
             if not k.startswith("_"):
                 put(k, v, value, text=False)
+    if s.ar_target not in ("tokens", "teacher"):
+        raise SystemExit(f"ar_target must be 'tokens' or 'teacher', got {s.ar_target!r}")
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
     for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "log_interval",

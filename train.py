@@ -38,6 +38,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -110,10 +111,34 @@ def make_batch(d, rows, S, special, device):
     return *collate(padded, special["pad"], device), sum(len(r[0]) for r in padded)
 
 
+def make_teacher(d, rows, S, special, device):
+    """The teacher of those rows for L_AR = KL (ar_target = "teacher", mars.teacher_kl): one
+    entry per target in mars._targets' order, the row's stored top-k (data/prepare.py) and,
+    for each EOS pad that pad_row adds, a one-hot EOS (its KL is the CE on the pad).
+    None when L_AR is CE on the tokens (ar_target = "tokens", the paper's)."""
+    if S.ar_target != "teacher":
+        return None
+    off, t_off, B = d["offsets"], d["t_offsets"], S.block_size
+    k, eos = d["t_logp"].shape[1], special["eos"]
+    logp, ids, rest = [], [], []
+    for i in rows.tolist():
+        a, b = int(off[i]), int(off[i + 1])
+        if d["loss"][a]:
+            raise ValueError(f"row {i}: a loss token at index 0 has no output to predict it (§3)")
+        n_pad = -(b - a) % B
+        logp += [d["t_logp"][t_off[i]:t_off[i + 1]], np.full((n_pad, k), -np.inf, np.float16)]
+        logp[-1][:, 0] = 0.0  # log 1 at the EOS
+        ids += [d["t_ids"][t_off[i]:t_off[i + 1]], np.full((n_pad, k), eos, np.int32)]
+        rest += [d["t_rest"][t_off[i]:t_off[i + 1]], np.zeros(n_pad, np.float32)]
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs)).to(device)  # noqa: E731
+    return {"logp": cat(logp), "ids": cat(ids), "rest": cat(rest)}
+
+
 def fingerprint(d):
     h = hashlib.blake2b(digest_size=8)
-    for k in ("ids", "loss", "offsets"):
-        h.update(d[k].tobytes())
+    for k in ("ids", "loss", "offsets", "t_logp", "t_ids", "t_rest"):
+        if k in d:  # the teacher arrays, where the file has them
+            h.update(d[k].tobytes())
     return h.hexdigest()
 
 
@@ -127,13 +152,14 @@ class StageLoss(nn.Module):
         super().__init__()
         self.model, self.S, self.mask_id, self.stage = model, S, mask_id, "ar"
 
-    def forward(self, ids, labels):
+    def forward(self, ids, labels, teacher=None):
+        """teacher (make_teacher) makes L_AR the KL to it (ar_target = "teacher"), else CE."""
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
-            loss = ar_loss(self.model, ids, labels)
+            loss = ar_loss(self.model, ids, labels, teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
         return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
-                         trim_noisy=True)  # the noisy blocks no loss reads are not forwarded (exact)
+                         trim_noisy=True, ar_teacher=teacher)  # noisy blocks no loss reads: not forwarded
 
 
 def lr_at(step, total, S):
@@ -205,9 +231,10 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
     net.train(False)
     for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
         x, y, _ = make_batch(val, part, S, special, device)  # the same number of forwards on every rank
+        teacher = make_teacher(val, part, S, special, device)
         with amp:
             n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=device)
-            acc += torch.stack([runner(x, y)[0].double() * n_part, n_part])
+            acc += torch.stack([runner(x, y, teacher)[0].double() * n_part, n_part])
     net.train(True)
     if world > 1:
         dist.all_reduce(acc)
@@ -302,6 +329,9 @@ def load_data(S, rank, world):
         if world > 1:
             dist.barrier()
     data = {k: load_npz(os.path.join(S.data_dir, f"{k}.npz")) for k in ("train", "val")}
+    if S.ar_target == "teacher" and not all("t_logp" in d for d in data.values()):
+        raise SystemExit(f"ar_target=teacher: {S.data_dir}/train.npz and val.npz need the teacher arrays "
+                         "(data/prepare.py add_teacher)")
     off = data["train"]["offsets"]
     n_train = len(off) - 1
     if n_train == 0 or int((off[1:] - off[:-1]).max()) > S.max_len:
@@ -439,12 +469,14 @@ def train_step(r, opt, stage, step):
     acc = torch.zeros(4, dtype=torch.float64, device=r.device)  # loss, l_mask, l_ar, tokens of this process
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
-        x, y, n_tok = make_batch(r.data["train"], rows[k * mb:(k + 1) * mb], S, r.special, r.device)
+        part = rows[k * mb:(k + 1) * mb]
+        x, y, n_tok = make_batch(r.data["train"], part, S, r.special, r.device)
+        teacher = make_teacher(r.data["train"], part, S, r.special, r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)
         with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
             with r.amp:
-                loss, l_mask, l_ar = r.runner(x, y)  # means over this micro-batch's rows
+                loss, l_mask, l_ar = r.runner(x, y, teacher)  # means over this micro-batch's rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
         acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
                             l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])
