@@ -32,6 +32,7 @@ import time
 import torch
 
 import train
+from data.batches import make_batch, step_rows
 from generate import ar_decode
 from kvcache import KVCache
 from mars import mars_loss
@@ -85,8 +86,8 @@ def bench_train(steps, warmup):
     times = {m: [] for m in modes}
     n_train = len(data["offsets"]) - 1
     for step in range(warmup + steps):
-        rows = train.step_rows(n_train, S.batch_size, S.seed, "ar", step)
-        x, y, _ = train.make_batch(data, rows, S, ids, "cpu")
+        rows = step_rows(n_train, S.batch_size, S.seed, "ar", step)
+        x, y, _ = make_batch(data, rows, S, ids, "cpu")
         for m, net in nets.items():
             t0 = clocks()
             net(x, y)[0].backward()

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 
 import train
+from data.batches import batch_rows, make_batch
 from data.prepare import load_npz
 from scripts.common import machine
 from settings import Settings, parse_settings
@@ -60,8 +61,8 @@ def bench_mode(model0, S, stage, data, special, device, steps, warmup):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(warmup + steps):
-        rows = train.batch_rows(data, S, "ar", step)  # the same rows for every mode
-        batches = [train.make_batch(data, rows[m * mb:(m + 1) * mb], S, special, device)
+        rows = batch_rows(data, S, "ar", step)  # the same rows for every mode
+        batches = [make_batch(data, rows[m * mb:(m + 1) * mb], S, special, device)
                    for m in range(accum)]
         sync(device)
         t0 = time.perf_counter()

@@ -45,8 +45,8 @@ from util.atomic import write_json, write_text
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # the paper's sweep (§5)
 TRAIN_SOURCES = ("train.py", "settings.py", "checkpoint.py", "mars.py", "model.py", "tokenizer.py",
-                 "chat_template.py", "data/synthetic.py", "data/bpe.py", "data/prepare.py", "util/atomic.py",
-                 "util/precision.py", "util/runlog.py", "util/memory.py")
+                 "chat_template.py", "data/synthetic.py", "data/bpe.py", "data/prepare.py", "data/batches.py",
+                 "util/atomic.py", "util/precision.py", "util/runlog.py", "util/memory.py")
 EVAL_SOURCES = ("evaluate.py", "generate.py", "decoding.py", "sampling.py", "exact.py", "chat.py",
                 "kvcache.py")
 FAMILY_COLS = FAMILIES  # data/synthetic.py

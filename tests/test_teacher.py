@@ -13,13 +13,13 @@ beyond the paper's CE of MARS_SPEC §4), each against an independent reference:
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_hf_model
+
+from data.batches import make_batch, make_teacher
 from data.prepare import load_npz, save_npz
 from mars import IGNORE, ar_loss, mars_loss, teacher_kl
 from model import Qwen2
 from settings import Settings
-from train import make_batch, make_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, B, MASK, EOS, PAD = 256, 4, 255, 3, 0

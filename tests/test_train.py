@@ -38,6 +38,7 @@ from conftest import make_hf_model, write_rows
 from safetensors.torch import load_file
 
 import train
+from data import batches
 from data.bpe import train_bpe
 from model import Qwen2, Qwen2Config
 from settings import Settings, parse_settings
@@ -372,8 +373,8 @@ def test_init_from_an_hf_checkpoint_trains_that_model(data_dir, tmp_path):
                     "--warmup_frac=0"))
     d = np.load(data_dir / "train.npz")
     per_row = []
-    off = d["offsets"]  # step 1's rows, by the rule of train.step_rows (the default's length buckets)
-    rows = train.step_rows(len(off) - 1, 8, 0, "ar", 0, off[1:] - off[:-1], Settings.bucket_window)
+    off = d["offsets"]  # step 1's rows, by the rule of batches.step_rows (the default's length buckets)
+    rows = batches.step_rows(len(off) - 1, 8, 0, "ar", 0, off[1:] - off[:-1], Settings.bucket_window)
     for i in rows.tolist():
         a, b = d["offsets"][i], d["offsets"][i + 1]
         n_pad = -(b - a) % 4
@@ -474,19 +475,19 @@ def test_step_rows_every_row_once_per_epoch_and_buckets_by_length():
     batch of its window in length."""
     n, batch, W = 96, 4, 6
     lengths = torch.randint(10, 60, (n,), generator=torch.Generator().manual_seed(0))
-    plain = torch.cat([train.step_rows(n, batch, 0, "mars", s) for s in range(n // batch)])
-    assert torch.equal(plain, train._epoch_perm(n, 0, "mars", 0))  # the written-out rule
+    plain = torch.cat([batches.step_rows(n, batch, 0, "mars", s) for s in range(n // batch)])
+    assert torch.equal(plain, batches._epoch_perm(n, 0, "mars", 0))  # the written-out rule
     for epoch in range(2):  # n / (batch * W) = 4 windows per epoch
         steps = range(epoch * n // batch, (epoch + 1) * n // batch)
-        got = [train.step_rows(n, batch, 0, "mars", s, lengths, W) for s in steps]
+        got = [batches.step_rows(n, batch, 0, "mars", s, lengths, W) for s in steps]
         assert sorted(torch.cat(got).tolist()) == list(range(n))  # every row once
         for w in range(0, len(got), W):  # inside a window: disjoint length ranges
             spans = sorted((int(lengths[b].min()), int(lengths[b].max())) for b in got[w:w + W])
             assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))
-        window_rows = torch.cat([train._samples(n, batch * W, 0, "mars", epoch * 4 + i) for i in range(4)])
+        window_rows = torch.cat([batches._samples(n, batch * W, 0, "mars", epoch * 4 + i) for i in range(4)])
         assert sorted(window_rows.tolist()) == sorted(torch.cat(got).tolist())
-    assert torch.equal(train.step_rows(n, batch, 0, "mars", 7, lengths, W),
-                       train.step_rows(n, batch, 0, "mars", 7, lengths, W))
+    assert torch.equal(batches.step_rows(n, batch, 0, "mars", 7, lengths, W),
+                       batches.step_rows(n, batch, 0, "mars", 7, lengths, W))
     pad = lambda rows: sum(int(lengths[r].max()) * len(r) for r in rows)
-    assert pad([train.step_rows(n, batch, 0, "mars", s, lengths, W) for s in range(24)]) < \
-        pad([train.step_rows(n, batch, 0, "mars", s) for s in range(24)])
+    assert pad([batches.step_rows(n, batch, 0, "mars", s, lengths, W) for s in range(24)]) < \
+        pad([batches.step_rows(n, batch, 0, "mars", s) for s in range(24)])
