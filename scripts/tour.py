@@ -189,7 +189,7 @@ def loss_section(model, ids, labels):
     h = model.hidden(inputs, position_ids, mask)  # (N, 2l, C)
     ce_noisy = mars._ce_at(model, h, rows, l + src - start[rows], tokens)  # (n,)
     l_mask = mars._per_sequence_mean(ce_noisy, rows, N)
-    ce_clean = mars._ce_at(model, h, rows, src, tokens)  # (n,)
+    ce_clean = mars._clean_at(model, h, rows, src, tokens)  # (n,): the CE, as no teacher is given
     l_ar = mars._per_sequence_mean(ce_clean, rows, N)
     loss, ref_mask, ref_ar = mars.mars_loss(model, ids, labels, MASK, B)
     assert torch.equal(l_mask, ref_mask) and torch.equal(l_ar, ref_ar) and torch.equal(loss, l_mask + l_ar)
@@ -210,7 +210,8 @@ def loss_section(model, ids, labels):
     out += ["", f"### 1.6 The loss: {fn('mars.mars_loss')} (§4)", "",
             f"One forward, `model.hidden(inputs ({N}, {2 * l}), position_ids, mask)` -> h "
             f"({N}, {2 * l}, {C}); the LM head runs only on the {n} outputs that carry loss, per stream: "
-            f"logits ({n}, {len(VOCAB)}) -> CE ({n},) (`mars._ce_at`). Each term is a mean per row, "
+            f"logits ({n}, {len(VOCAB)}) -> CE ({n},) (`mars._ce_at`, for L_AR through `mars._clean_at`, "
+            "which is the CE when no teacher is given). Each term is a mean per row, "
             f"then over the {N} rows (`mars._per_sequence_mean`). These are the calls `mars_loss` makes, "
             "in its order; the three numbers below are checked equal to what `mars_loss` returns.", "", "```",
             f"L_mask = [{formula.format(*map(num, ce_noisy))}] / {N} = {num(l_mask)}",
