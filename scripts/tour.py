@@ -4,7 +4,7 @@ generate.py and exact.py, with shapes, each stage linked to its function and MAR
 The page is generated so that it stays true: every tensor on it comes from calling the
 repository's own functions on a tiny seeded random model (model.Qwen2, model.init_weights,
 float64 so that no printed digit depends on the machine's rounding). The tour computes no rule
-itself. Where a decoder's intermediate (the per-target CE, the KV cache of a step) is not
+itself. Where an intermediate (the per-target CE, a decoding step's KV cache and drafts) is not
 returned by a public function, it calls the smaller functions the real code calls, in the same
 order, says so on the page, and checks that the result equals the public function's.
 Every number printed is checked to be far from a rounding boundary, every argmax far from a
@@ -39,6 +39,7 @@ TAU = 0.8  # the τ of section 2: no probability on the page lies within 1e-3 of
 K = 2  # exact mode's drafts per step (K <= B)
 SEED, STD = 139, 0.5  # init seed and std: chosen so that both steps accept one mask prediction
 PROMPT = "Q: 2 + 3 ="
+MAX_NEW = 8  # new tokens per decoding request
 CONFIG = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
               tie_word_embeddings=True)
@@ -260,8 +261,8 @@ def candidates_table(x, positions, c, conf, n_acc):
 def tau_section(model):
     """§5-§6: two τ-gated steps with the window cache; checked against generate.mars_decode."""
     prompt = [ID[w] for w in PROMPT.split()]
-    rows = Rows(1, 8, (EOS,))
-    cache = KVCache.for_model(model, 1, len(prompt) + 8 + 2 * B)
+    rows = Rows(1, MAX_NEW, (EOS,))
+    cache = KVCache.for_model(model, 1, len(prompt) + MAX_NEW + 2 * B)
     out = [f"## 2. One τ-gated step: {fn('generate.window_steps')} (§5, §6)", "",
            f"Prompt `{PROMPT}` ({len(prompt)} tokens), B = {B}, τ = {TAU}, greedy, the window cache "
            "(`cache=\"window\"`, the default). `window_steps` keeps its cache to itself, so the tour "
@@ -275,8 +276,8 @@ def tau_section(model):
         out += tau_step_text(step, before, int(cache.lengths[0]), x, positions, c, conf, n_acc, kept[0])
         pending = kept
     for mode in ("window", "none"):
-        ref = generate.mars_decode(model, [prompt], block_size=B, tau=TAU, max_new_tokens=8, mask_id=MASK,
-                                   eos_ids=(EOS,), cache=mode)
+        ref = generate.mars_decode(model, [prompt], block_size=B, tau=TAU, max_new_tokens=MAX_NEW,
+                                   mask_id=MASK, eos_ids=(EOS,), cache=mode)
         assert [next(ref).tokens[0] for _ in steps] == steps, f"the tour's steps differ from cache={mode}"
     return out
 
@@ -313,8 +314,8 @@ def exact_run(model, prompt):
     """exact.exact_steps's prefill and first step, call for call (its cache and drafts are
     internal to it). -> a dict of what the page shows."""
     device, s = next(model.parameters()).device, GREEDY
-    rows = Rows(1, 8, (EOS,))
-    cache = KVCache.for_model(model, 1, len(prompt) + 8 + (1 + K) ** 2)
+    rows = Rows(1, MAX_NEW, (EOS,))
+    cache = KVCache.for_model(model, 1, len(prompt) + MAX_NEW + (1 + K) ** 2)
     lens = torch.tensor([len(prompt)], device=device)
     x0 = pad_rows([prompt + [MASK] * K], MASK, device)  # (1, |P| + K): [prompt | G_0], plain causal
     h = model.hidden(x0, cache=cache)
@@ -422,7 +423,7 @@ def exact_section(model):
     """§3, §5, §6: exact mode's prefill and first step; checked against exact_steps and AR."""
     prompt = [ID[w] for w in PROMPT.split()]
     r = exact_run(model, prompt)
-    ref = exact.exact_steps(model, [prompt], block_size=B, drafts=K, max_new_tokens=8, mask_id=MASK,
+    ref = exact.exact_steps(model, [prompt], block_size=B, drafts=K, max_new_tokens=MAX_NEW, mask_id=MASK,
                             eos_ids=(EOS,))
     steps = [next(ref).tokens[0] for _ in range(2)]
     assert steps == [[r["c0"]], r["kept"]], "the tour's steps differ from exact_steps"
@@ -432,7 +433,7 @@ def exact_section(model):
 @torch.no_grad()
 def whole_runs(model):
     """The three decoders run to the end on the prompt, through their public entry points."""
-    prompt, kw = [ID[w] for w in PROMPT.split()], dict(max_new_tokens=8, eos_ids=(EOS,))
+    prompt, kw = [ID[w] for w in PROMPT.split()], dict(max_new_tokens=MAX_NEW, eos_ids=(EOS,))
     runs = [("`generate.generate_ar` (plain AR, §5 τ = 1)", generate.generate_ar(model, [prompt], **kw)[0]),
             (f"`generate.generate`, τ = {TAU}, B = {B}", generate.generate(
                 model, [prompt], block_size=B, tau=TAU, mask_id=MASK, **kw)[0]),
@@ -440,8 +441,9 @@ def whole_runs(model):
                 model, [prompt], block_size=B, drafts=K, mask_id=MASK, **kw)[0])]
     assert runs[2][1].ids == runs[0][1].ids, "exact mode is not the AR output"
     out = ["## 4. The whole runs", "",
-           f"`{PROMPT}`, at most 8 new tokens (a random model: the words mean nothing, the counts do). "
-           "Exact mode gives the AR tokens (checked); the τ rule may differ from them.", ""]
+           f"`{PROMPT}`, at most {MAX_NEW} new tokens (a random model: the words mean nothing, the counts "
+           "do; forwards include the prefill). Exact mode gives the AR tokens (checked); the τ rule "
+           "may differ from them.", ""]
     return out + table(["decoder", "tokens", "forwards"], [[name, f"`{words(g.ids)}`", g.forwards]
                                                           for name, g in runs]) + [""]
 
