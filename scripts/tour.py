@@ -17,6 +17,7 @@ page (tests/test_tour.py checks the committed page is what this script gives tod
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -329,9 +330,10 @@ def exact_run(model, prompt):
     d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(1)]  # the budget cut
     tokens, positions, mask = exact.step_input(c0, d, K, cache.lengths, MASK)  # (1, T), (1, T), (T, T)
     h = model.hidden(tokens, positions, mask, cache)  # (1, T, C)
-    a, bonus = exact.verify(model, h, d, q, s)
-    real = model.lm_head(h[:, : 1 + len(d[0])])  # (1, 1+k, V): the AR outputs verify reads, shown
-    group = exact.group_logits(model, h, a, max(map(len, d)), K)  # (1, K, V): G_a
+    step_logits = model.lm_head(h)  # (1, T, V): one LM head call for verify and the groups
+    a, bonus = exact.verify(step_logits, d, q, s)
+    real = step_logits[:, : 1 + len(d[0])]  # (1, 1+k, V): the AR outputs verify reads, shown
+    group = exact.group_logits(step_logits, a, max(map(len, d)), K)  # (1, K, V): G_a
     d_next, q = exact.draft(group, 0.0, s)
     emitted = [d[0][: int(a[0])] + [int(bonus[0])]]
     kept = rows.keep(emitted)
@@ -487,6 +489,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/tour.md", help="where to write the page; - prints it")
     args = p.parse_args(argv)
+    if args.out != "-" and os.path.exists(args.out) and not os.path.isfile(args.out):
+        p.error(f"{args.out} is not a regular file (an atomic write would replace it by one)")
     torch.set_num_threads(1)  # a tiny model: one thread is fastest, and leaves the other core free
     text = render()
     if args.out == "-":

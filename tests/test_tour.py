@@ -46,6 +46,8 @@ def test_main_writes_the_page_or_prints_it(tmp_path, capsys, page):
     capsys.readouterr()
     tour.main(["--out", "-"])
     assert capsys.readouterr().out == page
+    with pytest.raises(SystemExit):  # a device or a folder is not replaced by a file
+        tour.main(["--out", str(tmp_path)])
 
 
 def test_every_link_into_the_repository_resolves(page):
