@@ -1,6 +1,7 @@
 """Shared test helpers: tiny random Qwen2 checkpoints built with transformers
 (the independent reference) and saved with save_pretrained. Nothing is downloaded."""
 
+import contextlib
 import functools
 
 import numpy as np
@@ -31,14 +32,58 @@ def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the tests of a module that asks for it (`pytestmark =
-    pytest.mark.usefixtures("one_thread")`), two being this suite's default: tiny models on
-    shared cores run faster with one thread than with two that wait for each other, and an
-    in-process run then gives the same bits as a subprocess started with
-    OMP_NUM_THREADS=1 (CPU kernels may split sums by thread)."""
+    pytest.mark.usefixtures("one_thread")`). The line at the top of this file already sets
+    one thread for the whole run, whatever the machine's core count; this keeps it so for
+    such a module even if that default changes: an in-process run then gives the same bits
+    as a subprocess started with OMP_NUM_THREADS=1 (CPU kernels may split sums by thread)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def hf_float64(*models):
+    """Run transformers models in float64 end to end (converted in place), for the proofs whose
+    claim is "the same computation as HF", where rounding is not the question (STYLE.md).
+
+    `.double()` alone is not enough: transformers' Qwen2/Llama keep two fp32 steps in a float64
+    model, RMSNorm (it casts to fp32 and back) and eager attention's softmax (dtype=fp32). Each
+    rounds to ~6e-8 and the layers carry that to ~2.6e-6 on the tiny models' logits (measured),
+    as far from 1e-10 as fp32 itself. Inside the block both run in the input dtype: HF's own
+    formulas with the cast left out. RoPE's cos/sin stay fp32 on both sides (ours loaded with
+    dtype=float64 keeps fp32 inv_freq, model.rope_inv_freq), so they read the same tables."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+
+    def rms_norm(self, x):  # Qwen2RMSNorm / LlamaRMSNorm.forward without `.to(torch.float32)`
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        """eager_attention_forward with the softmax in the input dtype (inference: no dropout)."""
+        key = modeling_qwen2.repeat_kv(key, module.num_key_value_groups)
+        value = modeling_qwen2.repeat_kv(value, module.num_key_value_groups)
+        weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = weights.softmax(-1)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+    patches = [(modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm),
+               (modeling_llama.LlamaRMSNorm, "forward", rms_norm),
+               (modeling_qwen2, "eager_attention_forward", eager_attention),
+               (modeling_llama, "eager_attention_forward", eager_attention)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for m in models:
+        assert m.config._attn_implementation == "eager", m.config._attn_implementation
+        m.double()
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield models
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
 
 
 @pytest.fixture

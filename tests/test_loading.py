@@ -18,9 +18,10 @@ import re
 
 import pytest
 import torch
+from conftest import hf_float64
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_model import ATOL, assert_order_one, make_ref, rand_ids
+from test_model import ATOL64, assert_order_one, make_ref, rand_ids
 
 from model import Qwen2
 
@@ -57,9 +58,12 @@ def test_llama_logits_equal_hf_and_save_back_as_llama(tmp_path, tied):
     assert set(model.state_dict()) | {"lm_head.weight"} == set(hf.state_dict()) | {"lm_head.weight"}
     idx = rand_ids((2, 40), seed=11)
     with torch.no_grad():
-        ref = hf(idx).logits
+        ref = hf(idx).logits  # fp32: what the saved copy must give, bit for bit
         assert_order_one(ref)
-        assert (model(idx) - ref).abs().max().item() <= ATOL
+        with hf_float64(hf):  # the same computation: float64, where rounding is not the question
+            ref64 = hf(idx).logits
+        model64 = Qwen2.from_pretrained(str(tmp_path / "src"), dtype=torch.float64)
+        assert (model64(idx) - ref64).abs().max().item() <= ATOL64
     model.save_pretrained(str(tmp_path / "ours"))
     back, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), attn_implementation="eager",
                                                       output_loading_info=True)
@@ -79,12 +83,12 @@ def test_authors_a2d_qwen2_release_loads_as_qwen2(tmp_path):
              use_mrope=False, layer_types=["full_attention"] * d["num_hidden_layers"])
     (tmp_path / "config.json").write_text(json.dumps(d))
     rewrite_weights(tmp_path, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].clone()}))
-    model = Qwen2.from_pretrained(str(tmp_path))
+    model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
     assert model.config.attention_bias and model.lm_head.weight is model.model.embed_tokens.weight
     idx = rand_ids((2, 40), seed=12)
-    with torch.no_grad():
+    with torch.no_grad(), hf_float64(hf):
         ref = hf(idx).logits
-        assert (model(idx) - ref).abs().max().item() <= ATOL
+        assert (model(idx) - ref).abs().max().item() <= ATOL64
 
 
 # ------------------------------------------------- save -> transformers, load -> no copy
@@ -129,11 +133,11 @@ def test_transformers4_style_config_loads(tmp_path):
     cfg_path.write_text(json.dumps(d))
     ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     assert ref_model.config.rope_parameters["rope_theta"] == 321.0
-    model = Qwen2.from_pretrained(str(tmp_path))
+    model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
     assert model.config.rope_theta == 321.0
     idx = rand_ids((1, 40), seed=7)
-    with torch.no_grad():
-        assert (model(idx) - ref_model(idx).logits).abs().max().item() <= ATOL
+    with torch.no_grad(), hf_float64(ref_model):
+        assert (model(idx) - ref_model(idx).logits).abs().max().item() <= ATOL64
 
 
 def test_minimal_config_means_what_transformers_reads(tmp_path):
@@ -149,12 +153,12 @@ def test_minimal_config_means_what_transformers_reads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({k: d[k] for k in keep}))
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     assert not back.config.tie_word_embeddings and back.config.rope_parameters["rope_theta"] == 10000.0
-    model = Qwen2.from_pretrained(str(tmp_path))
+    model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
     idx = rand_ids((1, 40), seed=8)
     with torch.no_grad():
-        ref = back(idx).logits
-        assert torch.equal(ref, hf(idx).logits)
-        assert (model(idx) - ref).abs().max().item() <= ATOL
+        assert torch.equal(back(idx).logits, hf(idx).logits)
+        with hf_float64(back):
+            assert (model(idx) - back(idx).logits).abs().max().item() <= ATOL64
 
 
 def test_from_pretrained_builds_no_random_copy(tmp_path, monkeypatch):
