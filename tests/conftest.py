@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core for subprocess tests
+torch.set_num_threads(1)  # one thread (see one_thread), from import on; tiny models run fastest so
 
 
 def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
@@ -29,17 +29,16 @@ def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
     return hf
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
 def one_thread():
-    """One intra-op thread for the tests of a module that asks for it (`pytestmark =
-    pytest.mark.usefixtures("one_thread")`). The line at the top of this file already sets
-    one thread for the whole run, whatever the machine's core count; this keeps it so for
-    such a module even if that default changes: an in-process run then gives the same bits
-    as a subprocess started with OMP_NUM_THREADS=1 (CPU kernels may split sums by thread)."""
-    n = torch.get_num_threads()
+    """Every test runs on one intra-op torch thread, whatever the machine's core count, and
+    whatever a script the test ran in-process set (scripts set --threads): CPU kernels may split
+    float32 sums by thread, so the same count gives the same sums on every machine, and an
+    in-process run the same bits as a subprocess started with OMP_NUM_THREADS=1. Reset after
+    the test too, for the module-scoped fixtures of the next module."""
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads(n)
+    torch.set_num_threads(1)
 
 
 @contextlib.contextmanager
