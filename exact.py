@@ -65,7 +65,7 @@ import torch
 from decoding import Rows, Step, check_request, collect, logits_at, pad_rows, streams
 from kvcache import KVCache
 from mars import exact_attention_mask
-from sampling import GREEDY, pick, processed_probs, sample_drafts, speculative_accept
+from sampling import GREEDY, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
 
 
 # ---------------------------------------------------------------- one step
@@ -85,37 +85,42 @@ def step_input(c0, drafts, group_size, lengths, mask_id):
     return torch.cat([real, masks], 1), positions, exact_attention_mask(k, group_size, device)
 
 
-def verify(model, h, drafts, q, sampling=GREEDY, gens=None):
+def verify(logits, drafts, q, sampling=GREEDY, gens=None):
     """How many drafts each row accepts, and the bonus token after them: speculative
     sampling against the AR path of the same forward (sampling.speculative_accept).
 
-    h (N, T, C): the step's hidden states; the first 1+k are the real tokens c_0, d_1..d_k,
-    whose outputs give p, the processed AR distribution of the token after each. drafts:
-    per row its <= k drafts; q (N, >= k, V): the distributions they were drawn from.
-    Accept d_i with probability min(1, p(d_i)/q(d_i)); at the first rejection draw the
-    bonus from normalise(max(0, p - q)), after the last draft from p. At temperature 0
-    (one-hot p, q): accept while d_i == the AR argmax; the bonus is the argmax after the
-    last accepted draft. -> a (N,), bonus (N,)."""
-    k = max(map(len, drafts))
-    p = processed_probs(model.lm_head(h[:, : 1 + k]), sampling)  # (N, 1+k, V): AR targets
-    n = torch.tensor([len(d) for d in drafts], device=h.device)  # (N,): real drafts per row
-    d = pad_rows(drafts, 0, h.device) if k else n[:, None][:, :0]  # (N, k); padding never tested
-    return speculative_accept(p, q[:, :k], d, n, gens)
+    logits (N, T, V): the step's logits; the first 1+k are at the real tokens c_0, d_1..d_k
+    and give p, the processed AR distribution of the token after each. drafts:
+    per row its <= k drafts; q (N, >= k, V): the distributions they were drawn from (None
+    at temperature 0). Accept d_i with probability min(1, p(d_i)/q(d_i)); at the first
+    rejection draw the bonus from normalise(max(0, p - q)), after the last draft from p.
+    At temperature 0 (one-hot p, q) the same rule reads only the argmaxes
+    (sampling.greedy_accept): accept while d_i == the AR argmax; the bonus is the argmax
+    after the last accepted draft. -> a (N,), bonus (N,)."""
+    k, device = max(map(len, drafts)), logits.device
+    logits = logits[:, : 1 + k]  # (N, 1+k, V): the AR outputs
+    n = torch.tensor([len(d) for d in drafts], device=device)  # (N,): real drafts per row
+    d = pad_rows(drafts, 0, device) if k else n[:, None][:, :0]  # (N, k); padding never tested
+    if sampling.greedy:
+        return greedy_accept(logits.float().argmax(-1), d, n)
+    return speculative_accept(processed_probs(logits, sampling), q[:, :k], d, n, gens)
 
 
 def draft(logits, threshold, sampling=GREEDY, gens=None):
     """Mask logits (N, g, V) -> (drafts per row, q (N, g, V)): d ~ q = the processed
-    distribution (the argmaxes at temperature 0), cut before the first position whose fp32
-    softmax probability of its argmax is below `threshold` (0 keeps all g); q is kept for
-    the next step's verification (sampling.sample_drafts)."""
+    distribution (the argmaxes at temperature 0, q None), cut before the first position
+    whose fp32 softmax probability of its argmax is below `threshold` (0 keeps all g); q is
+    kept for the next step's verification (sampling.sample_drafts)."""
     d, n, q = sample_drafts(logits, sampling, gens, threshold)  # (N, g), (N,), (N, g, V)
     return [row[:k] for row, k in zip(d.tolist(), n.tolist())], q
 
 
-def group_logits(model, h, a, n_drafts, group_size):
+def group_logits(logits, a, n_drafts, group_size):
     """Logits (N, g, V) of group G_a of each row: the group that saw exactly the accepted
-    prefix. Groups start after the 1+k real tokens; the LM head runs on those g only."""
-    return logits_at(model, h, 1 + n_drafts + a * group_size, group_size)
+    prefix. Groups start after the 1+k real tokens. logits (N, T, V): the whole step's."""
+    start = 1 + n_drafts + a * group_size  # (N,)
+    idx = start[:, None] + torch.arange(group_size, device=logits.device)  # (N, g)
+    return logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
 
 
 def keep_verified(cache, a, going):
@@ -167,10 +172,13 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
         # drafts past the budget could never be emitted: do not forward them
         d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(N)]
         tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
-        h = model.hidden(tokens, positions, mask, cache)  # (N, T, C)
+        # one LM head call for the verification and every group: which group is read
+        # depends on the verification, and a second call would stream the head's V x C
+        # weights again (results/SPEED.md, issue 22)
+        logits = model.lm_head(model.hidden(tokens, positions, mask, cache))  # (N, T, V)
         forwards += 1
-        a, bonus = verify(model, h, d, q, s, gens)
-        d_next, q = draft(group_logits(model, h, a, max(map(len, d)), K), draft_threshold, s, gens)
+        a, bonus = verify(logits, d, q, s, gens)
+        d_next, q = draft(group_logits(logits, a, max(map(len, d)), K), draft_threshold, s, gens)
         emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
         new = rows.keep(emitted)
         keep_verified(cache, a, ~torch.tensor(rows.done, device=device))

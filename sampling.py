@@ -10,6 +10,7 @@ decoders (generate.py, exact.py) call these on the logits they read.
   confidence / confident       the number compared with τ (§5.3-4) and the comparison
   sample_drafts(logits, s, gens, threshold)        exact mode's drafts d ~ q and q itself
   speculative_accept(p, q, d, n, gens)             accept d_i w.p. min(1, p/q), left to right
+  greedy_accept(t, d, n)       the same rule at temperature 0, on argmaxes (no one-hot tensors)
 
 Which probability τ is compared with: the RAW softmax of the logits, in float32 (temperature
 1, no top-k/top-p), evaluated at the chosen candidate. Why: (1) it is what the authors'
@@ -165,16 +166,21 @@ def sample_drafts(logits, s, gens=None, threshold=0.0):
     """Exact mode's drafts from mask logits (N, g, V) -> d (N, g), n (N,), q (N, g, V).
 
     q = processed_probs(logits): the draft distribution, to be kept for the verification
-    in the NEXT step. d ~ q (argmax at temperature 0). n: the leading run of positions
-    whose raw float32 probability of their argmax is >= threshold (0 keeps all g). The cut
-    reads the position's distribution, never the drawn d, so it cannot bias the drafts
-    (a cut on p(d_i) would make the kept d_i follow q restricted, not q); at temperature 0
-    d is that argmax, so it is exact.py's greedy cut unchanged."""
+    in the NEXT step; None at temperature 0, where it is the one-hot of d and the greedy
+    verification (greedy_accept) reads d alone, so no (N, g, V) tensor is built. d ~ q
+    (the argmax at temperature 0). n: the leading run of positions whose raw float32
+    probability of their argmax is >= threshold (threshold 0 keeps all g, no softmax
+    computed). The cut reads the position's distribution, never the drawn d, so it cannot
+    bias the drafts (a cut on p(d_i) would make the kept d_i follow q restricted, not q);
+    at temperature 0 d is that argmax, so it is exact.py's greedy cut unchanged."""
+    top = logits.float().argmax(-1)  # (N, g)
+    n = torch.full(top.shape[:1], top.shape[1], dtype=torch.long, device=top.device)  # (N,)
+    if threshold > 0:  # raw prob of each argmax
+        n = (confidence(logits, top) >= threshold).long().cumprod(1).sum(1)
+    if s.greedy:
+        return top, n, None
     q = processed_probs(logits, s)  # (N, g, V)
-    d = logits.float().argmax(-1) if s.greedy else categorical(q, gens)  # (N, g)
-    top = confidence(logits, logits.float().argmax(-1))  # (N, g): raw prob of each argmax
-    n = (top >= threshold).long().cumprod(1).sum(1)  # (N,)
-    return d, n, q
+    return categorical(q, gens), n, q
 
 
 def speculative_accept(p, q, d, n, gens):
@@ -203,6 +209,21 @@ def speculative_accept(p, q, d, n, gens):
     residual = (p_a - q_a).clamp(min=0)
     rejected = (a < n) & (residual.sum(-1) > 0)  # p == q to the last bit never rejects; guard anyway
     return a, categorical(torch.where(rejected[:, None], residual, p_a), gens)
+
+
+def greedy_accept(t, d, n):
+    """speculative_accept at temperature 0, on the argmaxes instead of one-hot p and q (no
+    (N, k+1, V) tensor). t (N, k+1): the argmax of each target distribution (p = one-hot(t));
+    d (N, k): the drafts, row b's first n[b] real (q = one-hot(d): a draft is the argmax of
+    its mask). Then p(d_i)/q(d_i) is 1 if d_i == t_i, else 0, whatever the uniform: the
+    accepted drafts are the leading run of d_i == t_i; at the first rejection the residual
+    max(0, p - q) is one-hot(t_a) (t_a != d_a), after the last draft the draw is from p:
+    the next token is t_a either way. -> a (N,), next_token (N,). Proved equal to
+    speculative_accept on the one-hot p, q in tests/test_sampling.py."""
+    k = d.shape[1]
+    ok = (d == t[:, :k]) & (torch.arange(k, device=d.device) < n[:, None])  # (N, k)
+    a = ok.long().cumprod(1).sum(1)  # (N,)
+    return a, t.gather(1, a[:, None])[:, 0]
 
 
 def _uniforms(N, k, n, gens, device):

@@ -47,6 +47,7 @@ from sampling import (
     categorical,
     confidence,
     confident,
+    greedy_accept,
     pick,
     processed_probs,
     row_generators,
@@ -311,6 +312,14 @@ def test_speculative_rule_at_temperature_zero_is_the_greedy_rule():
         a, nxt = speculative_accept(p, q, d, n, torch.Generator().manual_seed(seed))
         assert torch.equal(a, a_ref) and torch.equal(nxt, ar.gather(1, a_ref[:, None])[:, 0])
     assert set(a_ref.tolist()) == set(range(k + 1))  # every acceptance count occurred
+    # the greedy path (no one-hot tensors) is this rule: equal to speculative_accept on p, q,
+    # also without randomness (gens=None), with ties and for k = 0
+    ref = speculative_accept(p, q, d, n, None)
+    assert all(torch.equal(x, y) for x, y in zip(greedy_accept(ar, d, n), ref))
+    a0, nxt0 = greedy_accept(ar[:, :1], d[:, :0], torch.zeros_like(n))
+    assert torch.equal(a0, torch.zeros_like(n)) and torch.equal(nxt0, ar[:, 0])
+    assert all(torch.equal(x, y) for x, y in zip((a0, nxt0), speculative_accept(p[:, :1], q[:, :0], d[:, :0],
+                                                                               torch.zeros_like(n), None)))
 
 
 def test_draft_cut_reads_the_position_not_the_draw():
@@ -322,7 +331,8 @@ def test_draft_cut_reads_the_position_not_the_draw():
         n_ref = (raw >= thr).long().cumprod(1).sum(1)
         d0, n0, q0 = sample_drafts(x, Sampling(), None, thr)
         assert torch.equal(d0, x.argmax(-1)) and torch.equal(n0, n_ref)
-        assert torch.equal(q0, F.one_hot(d0, 12).float())
+        assert q0 is None  # one-hot at d0 = processed_probs at temperature 0; greedy_accept reads d0
+        assert torch.equal(processed_probs(x, Sampling()), F.one_hot(d0, 12).float())
         s = Sampling(temperature=1.0)
         cuts = {tuple(sample_drafts(x, s, torch.Generator().manual_seed(i), thr)[1].tolist())
                 for i in range(5)}
