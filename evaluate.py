@@ -7,6 +7,7 @@ Tokens per forward = generated tokens / forward passes, summed over all problems
 (a problem's forwards are the steps run while it was still generating).
 
     python evaluate.py --ckpt out/default/mars --taus 1,0.9
+    python evaluate.py --ckpt out/default/mars --split hard    # longer problems than training shows
     python evaluate.py --ckpt out/default/mars --taus 0.95 --by-phase 0.95   # wrong steps by phase
 """
 
@@ -109,7 +110,8 @@ def main(argv=None):
     ap.add_argument("--data-dir", default="data/default")
     ap.add_argument("--taus", default="1.0,0.9", help="comma-separated τ values")
     ap.add_argument("--block-size", type=int, default=None, help="default: the checkpoint's mars.json")
-    ap.add_argument("--split", default="test")
+    ap.add_argument("--split", default="test", help="test, val, or hard (data/synthetic.generate_hard: "
+                    "each family longer than in training, scored on its own)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--cache", default="window", choices=["window", "block", "none"])
     ap.add_argument("--by-phase", default="", metavar="TAUS",

@@ -1,13 +1,23 @@
-"""The embedded default dataset (data/synthetic.py): deterministic, disjoint splits,
-answers that are right (recomputed here from the prompt text, independently of the
-generator), and rows whose reply phase against the blocks of B takes every value."""
+"""The embedded default dataset (data/synthetic.py): deterministic, disjoint splits in
+the stated shares, answers that are right (recomputed here from the prompt text,
+independently of the generator), a hard split longer than anything trained on, and rows
+whose reply phase against the blocks of B takes every value."""
 
 import re
 from collections import defaultdict
 
 import pytest
 
-from data.synthetic import FAMILIES, build_default, extract_answer, generate, is_correct, read_jsonl
+from data.synthetic import (
+    FAMILIES,
+    HARD_SIZE,
+    build_default,
+    extract_answer,
+    generate,
+    generate_hard,
+    is_correct,
+    read_jsonl,
+)
 from tokenizer import Tokenizer
 
 SIZES = {"train": 2000, "val": 100, "test": 100}
@@ -22,9 +32,8 @@ def solve(prompt):
         return str(max(xs) if m.group(1) == "largest" else min(xs))
     if m := re.fullmatch(r"Repeat the words: ([a-z ]+)\.", prompt):
         return m.group(1)
-    if m := re.fullmatch(r"Look up ([a-z]+) in the table: ([a-z, ]+)\.", prompt):
-        table = dict(pair.split(" ") for pair in m.group(2).split(", "))
-        return table[m.group(1)]
+    if m := re.fullmatch(r"Sort the digits (\d+)\.", prompt):
+        return "".join(sorted(m.group(1)))
     raise AssertionError(f"unknown prompt {prompt!r}")
 
 
@@ -43,7 +52,11 @@ def test_sizes_families_and_disjoint_splits(splits):
         rows = splits[name]
         assert len(rows) == n
         per_family = {f: sum(r["family"] == f for r in rows) for f in FAMILIES}
-        assert max(per_family.values()) - min(per_family.values()) <= 1, (name, per_family)
+        if name == "train":  # arith and words at twice the share of list and sort (2:1:2:1)
+            want = {"arith": n / 3, "list": n / 6, "words": n / 3, "sort": n / 6}
+            assert all(abs(per_family[f] - want[f]) < 1 for f in FAMILIES), per_family
+        else:  # held-out splits: equal shares, the overall accuracy the mean of the families
+            assert max(per_family.values()) - min(per_family.values()) <= 1, (name, per_family)
     prompts = {name: {r["messages"][1]["content"] for r in rows} for name, rows in splits.items()}
     assert not prompts["test"] & prompts["train"]
     assert not prompts["val"] & prompts["train"]
@@ -51,8 +64,25 @@ def test_sizes_families_and_disjoint_splits(splits):
     assert len(prompts["test"]) == SIZES["test"]  # held-out prompts are distinct
 
 
+def item_count(prompt):
+    """Terms, list items, words or digits a prompt asks about."""
+    body = re.sub(r"^(Compute|What is the \w+ number in|Repeat the words:|Sort the digits) ", "", prompt)
+    return len(re.findall(r"\d|[a-z]+", body))
+
+
+def test_hard_split_is_distinct_balanced_and_longer_than_training(splits):
+    hard = generate_hard(HARD_SIZE, seed=3)
+    assert hard == generate_hard(HARD_SIZE, seed=3)
+    prompts = [r["messages"][1]["content"] for r in hard]
+    assert len(set(prompts)) == len(hard) == HARD_SIZE
+    assert {f: sum(r["family"] == f for r in hard) for f in FAMILIES} == {f: HARD_SIZE // 4 for f in FAMILIES}
+    counts = lambda rows, f: [item_count(r["messages"][1]["content"]) for r in rows if r["family"] == f]  # noqa: E731
+    for f in FAMILIES:
+        assert min(counts(hard, f)) > max(counts(splits["train"], f)), f
+
+
 def test_every_answer_is_right_and_checkable(splits):
-    for rows in splits.values():
+    for rows in [*splits.values(), generate_hard(HARD_SIZE, seed=3)]:
         for r in rows:
             system, user, assistant = r["messages"]
             assert (system["role"], user["role"], assistant["role"]) == ("system", "user", "assistant")
