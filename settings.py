@@ -39,6 +39,7 @@ class Settings:
     w_ar: float = 1.0  # weight of L_AR; 0 = the "w/o L_AR" ablation
     bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
     ar_target: str = "tokens"  # L_AR: "tokens" = CE (§4); "teacher" = KL to the top-k teacher in the data
+    inv_t_weight: bool = False  # "w/o L_AR" as released: each row's noisy loss x 1/t, t ~ U[1e-3, 1) (§4)
     # optimisation (§7)
     ar_steps: int = 4000
     mars_steps: int = 1500

@@ -19,9 +19,10 @@ Every setting is a field of `Settings` (settings.py); its defaults are the defau
 
 Exact resume: the rows of step s are a pure function of (seed, stage, s) (data/batches.py
 `step_rows`: epochs of permutations seeded by (seed, stage, epoch)), the loss has no randomness (100%
-masking, §3), and a checkpoint holds the weights, the optimizer state and the position,
-so a killed run continues as if never stopped (bit-exact on CPU). Checkpoints are built
-in a temp dir and renamed into place (`replace_dir`); a NaN/inf loss or gradient stops
+masking, §3; inv_t_weight's t is seeded by (seed, step, micro-batch): row_t_weights), and a
+checkpoint holds the weights, the optimizer state and the position, so a killed run
+continues as if never stopped (bit-exact on CPU). Checkpoints are built in a temp dir and
+renamed into place (`replace_dir`); a NaN/inf loss or gradient stops
 the run before the step is applied or saved.
 
 Multi-process (torchrun, or any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR/PORT):
@@ -43,7 +44,7 @@ import torch.nn as nn
 from checkpoint import gather, load_optimizer, write_checkpoint, write_release
 from data.batches import batch_rows, fingerprint, make_batch, make_teacher
 from data.prepare import load_npz
-from mars import ar_loss, mars_loss
+from mars import ar_loss, inverse_t_weights, mars_loss
 from model import Qwen2, Qwen2Config, init_weights
 from settings import RESUME_FREE, Settings, parse_settings
 from util.atomic import recover_dir, replace_dir, write_json
@@ -62,14 +63,26 @@ class StageLoss(nn.Module):
         super().__init__()
         self.model, self.S, self.mask_id, self.stage = model, S, mask_id, "ar"
 
-    def forward(self, ids, labels, teacher=None):
-        """teacher (make_teacher) makes L_AR the KL to it (ar_target = "teacher"), else CE."""
+    def forward(self, ids, labels, teacher=None, row_weight=None):
+        """teacher (make_teacher) makes L_AR the KL to it (ar_target = "teacher"), else CE;
+        row_weight (row_t_weights) multiplies each row's L_mask (inv_t_weight)."""
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
             loss = ar_loss(self.model, ids, labels, teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
         return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
-                         trim_noisy=True, ar_teacher=teacher)  # noisy blocks no loss reads: not forwarded
+                         trim_noisy=True, ar_teacher=teacher,  # noisy blocks no loss reads: not forwarded
+                         noisy_row_weight=row_weight)
+
+
+def row_t_weights(S, stage, step, slot, n, device):
+    """The 1/t of each of the n rows of micro-batch `slot` of a MARS step when inv_t_weight
+    (mars.inverse_t_weights, the released "w/o L_AR" objective, §4), else None. The generator
+    is seeded by (seed, step, slot) (the hash of a tuple of ints is fixed across runs): no RNG
+    state, so a resumed run, or the same slot on another process, draws the same t."""
+    if not (S.inv_t_weight and stage == "mars"):
+        return None
+    return inverse_t_weights(n, torch.Generator().manual_seed(hash((S.seed, step, slot)))).to(device)
 
 
 def lr_at(step, total, S):
@@ -382,11 +395,12 @@ def train_step(r, opt, stage, step):
         part = rows[k * mb:(k + 1) * mb]
         x, y, n_tok = make_batch(r.data["train"], part, S, r.special, r.device)
         teacher = make_teacher(r.data["train"], part, S, r.special, r.device)
+        row_weight = row_t_weights(S, stage, step, k, len(part), r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)
         with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
             with r.amp:
-                loss, l_mask, l_ar = r.runner(x, y, teacher)  # means over this micro-batch's rows
+                loss, l_mask, l_ar = r.runner(x, y, teacher, row_weight)  # means over this micro-batch's rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
         acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
                             l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])
