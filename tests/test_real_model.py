@@ -1,7 +1,10 @@
 """The real-model pipeline's pure parts (scripts/real_model.py, data/prompts.py), no model needed:
-prompts are deterministic and their splits disjoint by source, the agreement metrics equal a
-brute-force count, capped replies are cut to whole blocks without an EOS, a stage is skipped
-exactly when its key matches, and a training checkpoint is filed under its own step."""
+prompts are deterministic and their splits disjoint by coarse source group (near-duplicate
+modules and sibling paragraphs on one side), the agreement metrics equal a brute-force count,
+the rows whose generated ids differ from their text re-tokenised are counted exactly, the
+timing interleaves warmed-up decoders, the bootstrap interval is the percentile rule, a stage
+is skipped exactly when its key matches (and its key follows the code it runs), and a
+training checkpoint is filed under its own step."""
 
 import json
 import os
@@ -10,7 +13,10 @@ import numpy as np
 import torch
 
 from data import prompts as P
+from data.bpe import train_bpe
+from decoding import Generation
 from scripts import real_model as R
+from tokenizer import Tokenizer
 
 
 def test_prompts_deterministic_and_splits_disjoint():
@@ -25,6 +31,20 @@ def test_prompts_deterministic_and_splits_disjoint():
     prompt_text = " ".join(x["text"] for s in ("train", "heldout") for x in P.candidates(0)[s])
     assert all(h["text"] not in prompt_text for h in a["human"])  # human text is in no prompt
     assert len({x["kind"] for x in a["train"]}) >= 6  # varied, not one template
+
+
+
+def test_splits_are_disjoint_by_coarse_group():
+    c = P.candidates(0)
+    groups = {s: {P.group_of(x["key"]) for x in c[s]} for s in P.SPLITS}
+    assert not groups["train"] & groups["heldout"] and not groups["heldout"] & groups["human"]
+    # the near-duplicates the first run's split let cross: one group, so one split
+    for a, b in (("api:math.sqrt", "api:cmath.sqrt"), ("api:gzip.open", "api:lzma.open"),
+                 ("api:gzip.open", "pair:bz2.compress|bz2.open"), ("topic:class#0", "topic:class#3"),
+                 ("api:os.path.join", "moddoc:os#1"), ("http:404", "http:410")):
+        assert P.group_of(a) == P.group_of(b) and P.split_of(a, 0) == P.split_of(b, 0, human_frac=0.1)
+    built = P.build(0, 50, 20, 10, 8)
+    assert len(built["chat"]) == 8 and all(x["text"] in P.CHAT for x in built["chat"])
 
 
 def test_agreement_equals_brute_force():
@@ -43,23 +63,6 @@ def test_agreement_equals_brute_force():
 
     assert got["identical"] == sum(a == b for a, b in zip(refs, outs)) / len(refs)
     assert got["common_prefix"] == sum(prefix(a, b) for a, b in zip(refs, outs)) / len(refs)
-
-
-def test_cut_unfinished_rows_end_on_a_block_without_eos():
-    eos, B = 2, 4
-    rows = [
-        ([5, 6, 7, 8, 9, 10, 11, eos, 13], [0, 0, 0, 1, 1, 1, 1, 1, 1]),  # cut by the cap
-        ([5, 6, 7, 8, 9, eos, 13], [0, 0, 0, 1, 1, 1, 1]),
-    ]  # finished: untouched
-    arrays = {
-        "ids": np.array([t for r in rows for t in r[0]], np.int32),
-        "loss": np.array([m for r in rows for m in r[1]], np.uint8),
-        "offsets": np.array([0, 9, 16], np.int64),
-    }
-    out = R.cut_unfinished(arrays, [False, True], eos, B)
-    assert out["offsets"].tolist() == [0, 4, 11]
-    assert out["ids"][:4].tolist() == [5, 6, 7, 8] and eos not in out["ids"][:4]
-    assert out["ids"][4:].tolist() == rows[1][0] and out["loss"][4:].tolist() == rows[1][1]
 
 
 def test_chunks_cover_every_prompt_once_shortest_first():
@@ -104,3 +107,55 @@ def test_snapshot_files_the_checkpoint_under_its_step(tmp_path):
     assert (snaps / "step_00020" / "model.safetensors").read_text() == "weights 20"
     assert (snaps / "step_00040" / "model.safetensors").read_text() == "weights 40"
     assert not (snaps / "step_00020" / "train_state.pt").exists()  # weights only
+
+
+def test_rows_whose_ids_differ_from_their_text_are_counted(tmp_path):
+    texts = ["<|im_start|>user\nsay ab<|im_end|>\n<|im_start|>assistant\nab ab<|im_end|>\n"] * 3
+    train_bpe(texts, 30).save(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    tail = R.template_tail(tok)
+    assert tok.decode(tail) == "\n"
+    prompt = tok.encode_chat([{"role": "user", "content": "say ab"}], add_generation_prompt=True)
+    same = tok.encode("ab ab") + [tok.eos_id]
+    assert len(tok.encode("ab")) == 1  # merged, so the ids of "a" then "b" spell the text another way
+    split = tok.encode("a") + tok.encode("b") + tok.encode(" ab") + [tok.eos_id]
+    assert tok.decode(split) == tok.decode(same)
+    rows = [{"prompt_ids": prompt, "reply_ids": ids, "finished": True,
+             "messages": [{"role": "user", "content": "say ab"},
+                          {"role": "assistant", "content": tok.decode(ids[:-1])}]}
+            for ids in (same, split, same)]
+    assert R.retokenised_differ(tok, rows, tail) == 1
+    cut = dict(rows[1], reply_ids=split[:-1], finished=False)  # unfinished: no <|im_end|> + tail
+    same_cut = dict(rows[0], reply_ids=same[:-1], finished=False)
+    assert R.retokenised_differ(tok, [rows[0], cut, same_cut], tail) == 1
+
+
+def test_time_decoders_warms_up_each_and_interleaves_rounds(monkeypatch):
+    calls = []
+    fns = {n: (lambda item, n=n: calls.append((n, item)) or [Generation([1, 2], 1)]) for n in ("a", "b", "c")}
+    monkeypatch.setattr(R, "timed", lambda fn, device: (1.0, fn()))
+    res, outs = R.time_decoders(fns, ["x", "y"], rounds=3, device="cpu")
+    assert calls[:3] == [("a", "x"), ("b", "x"), ("c", "x")]  # one warm-up each
+    assert [n for n, _ in calls[3:9]] == ["a", "b", "c"] * 2  # round 0: every decoder on x, then on y
+    assert [n for n, _ in calls[9:12]] == ["b", "c", "a"]  # round 1: the order rotated
+    assert len(calls) == 3 + 3 * 2 * 3 and res["a"]["per_round_s"] == [2.0] * 3
+    assert res["a"]["median_s"] == 2.0 and res["a"]["spread_s"] == [2.0, 2.0] and len(outs["a"]) == 2
+
+
+def test_bootstrap_is_the_percentile_interval_of_resampled_ratios():
+    num, den = [3, 1, 4, 1, 5], [2, 2, 2, 1, 2]
+    got = R.bootstrap(num, den, n=500, seed=1)
+    idx = np.random.default_rng(1).integers(0, 5, (500, 5))
+    ratios = sorted(sum(num[i] for i in row) / sum(den[i] for i in row) for row in idx)
+    assert got == [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+    assert got[0] <= sum(num) / sum(den) <= got[1]
+
+
+def test_stage_key_follows_the_code_it_runs():
+    def f():
+        return 1
+
+    def g():
+        return 2
+
+    assert R.digest(("code", f)) == R.digest(("code", f)) != R.digest(("code", g))
