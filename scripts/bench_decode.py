@@ -1,0 +1,173 @@
+"""What a multi-token decoding step costs against an AR step (issue 22). Not a test.
+
+On one checkpoint, in one run, for each batch size: our AR decoder (generate.ar_decode),
+the τ-gated loop with the window cache (generate.mars_decode, MARS_SPEC §5-§6) and exact
+mode for each K (exact.exact_steps), all greedy. The decoders run interleaved (AR, τ,
+exact K=1, ..., then AR again), after one untimed warm-up round, on prompt r of the chat
+questions in round r, so a busy machine slows them alike; each number is the median over
+the rounds of one round's value.
+
+  ms/fwd     seconds per forward, the prefill excluded (the mean over a run's later steps)
+  x AR       that, over the same round's AR value: what a step costs in AR steps
+  tok/fwd    generated tokens per forward, summed over rows / forwards summed over rows
+  limit      the speedup if a step cost an AR step: tok/fwd over AR's (= 1 per row)
+  speedup    wall clock, AR's seconds per token over the decoder's (prefill included)
+
+Exact mode must give AR's tokens: each row says so, and the script exits with status 1 if
+one does not. --profile adds, at batch 1, where one decoder's forward goes (profiler, one
+run each): the linears, the LM head (the matmuls with V output columns), attention (sdpa),
+the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
+left of the wall time (Python and dispatch); host syncs = item() calls per forward.
+
+  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from exact import exact_steps
+from generate import ar_decode, mars_decode
+from scripts.common import QUESTIONS, add_model_args, ints, load_for_bench, machine, make_prompts
+
+
+def decoders(args, mask_id, eos_ids):
+    """name -> prompts -> a greedy step generator, AR first (the reference of every ratio)."""
+    n, B = args.new_tokens, args.block_size
+    out = {"our AR": lambda p: ar_decode(args.model, p, n, eos_ids)}
+    out[f"tau={args.tau} B={B} window"] = lambda p: mars_decode(
+        args.model, p, block_size=B, tau=args.tau, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+    for K in args.drafts:
+        out[f"exact K={K} B={B}"] = lambda p, K=K: exact_steps(
+            args.model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+    return out
+
+
+def run_once(steps, n_rows):
+    """Run a step generator to the end -> dict: seconds of the prefill and of every later step,
+    forwards, tokens and the generated ids per row."""
+    ids, times, forwards = [[] for _ in range(n_rows)], [], 0
+    while True:
+        t0 = time.perf_counter()
+        step = next(steps, None)
+        if step is None:
+            break
+        times.append(time.perf_counter() - t0)
+        forwards = step.forwards
+        for b, t in enumerate(step.tokens):
+            ids[b] += t
+    # per-row forwards as decoding.collect counts them (a finished row stops counting)
+    return dict(prefill=times[0], steps=times[1:], forwards=forwards, ids=ids, total=sum(times))
+
+
+def summarise(run, ar):
+    """One run's numbers, and its ratios to the same round's AR run."""
+    fwd = statistics.mean(run["steps"]) if run["steps"] else float("nan")
+    ar_fwd = statistics.mean(ar["steps"])
+    n, n_ar = sum(map(len, run["ids"])), sum(map(len, ar["ids"]))
+    tpf = n / run["forwards"] / len(run["ids"])
+    return dict(fwd=fwd, x_ar=fwd / ar_fwd, tpf=tpf, limit=tpf / (n_ar / ar["forwards"] / len(ar["ids"])),
+                speedup=(ar["total"] / n_ar) / (run["total"] / n), same=run["ids"] == ar["ids"])
+
+
+def bench_batch(decs, tok, model, mask_id, batch, rounds):
+    """Interleaved rounds (the first a warm-up) -> name -> list of per-round summaries."""
+    out = {name: [] for name in decs}
+    for r in range(rounds + 1):
+        prompts = make_prompts(tok, model.config.vocab_size, mask_id, batch + r)[r:]  # rotate the prompts
+        runs = {name: run_once(dec(prompts), batch) for name, dec in decs.items()}
+        if r:
+            for name, run in runs.items():
+                out[name].append(summarise(run, runs["our AR"]))
+    return out
+
+
+def report(results, batch, rounds):
+    print(f"batch {batch} (median of {rounds} interleaved rounds after a warm-up)")
+    print(f"  {'decoder':<24} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} {'speedup':>8}")
+    differ = 0
+    for name, rs in results.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("fwd", "x_ar", "tpf", "limit", "speedup")}
+        exact = name.startswith("exact")
+        check = ("   == AR" if all(r["same"] for r in rs) else "   DIFFERS FROM AR") if exact else ""
+        differ += exact and not all(r["same"] for r in rs)
+        print(f"  {name:<24} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
+              f"{med['limit']:6.2f} {med['speedup']:7.2f}x{check}")
+    return differ
+
+
+def profile(decs, tok, model, mask_id):
+    """Where each decoder's forward goes at batch 1 (one profiled run, ms per forward)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    V = model.config.vocab_size
+    prompts = make_prompts(tok, V, mask_id, 1)
+    print("profile, batch 1, ms per forward (prefill included), one run each")
+    print(f"  {'decoder':<24} {'wall':>6} {'linears':>8} {'LM head':>8} {'attn':>6} {'other':>6} "
+          f"{'python':>7} {'syncs':>6}")
+    for name, dec in decs.items():
+        run_once(dec(prompts), 1)  # warm
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+            run = run_once(dec(prompts), 1)
+        f = run["forwards"]
+        cat = dict(linears=0.0, head=0.0, attn=0.0, other=0.0, syncs=0)
+        for e in p.key_averages(group_by_input_shape=True):
+            if e.key in ("aten::mm", "aten::addmm"):  # the head's matmul has V output columns
+                head = any(V in shape for shape in e.input_shapes if shape)
+                cat["head" if head else "linears"] += e.self_cpu_time_total
+            elif "scaled_dot_product" in e.key:
+                cat["attn"] += e.self_cpu_time_total
+            else:
+                cat["other"] += e.self_cpu_time_total
+            if e.key == "aten::item":
+                cat["syncs"] += e.count
+        ms = {k: cat[k] / 1000 / f for k in ("linears", "head", "attn", "other")}
+        wall = 1000 * run["total"] / f  # the profiler's own cost is in it: compare rows, not runs
+        print(f"  {name:<24} {wall:6.1f} {ms['linears']:8.1f} {ms['head']:8.1f} {ms['attn']:6.1f} "
+              f"{ms['other']:6.1f} {wall - sum(ms.values()):7.1f} {cat['syncs'] / f:6.1f}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", help="HF-layout checkpoint (default: a random tiny model)")
+    p.add_argument("--batch-sizes", type=ints, default=[1, 4])
+    p.add_argument("--drafts", type=ints, default=[1, 2], help="K of exact mode, comma-separated")
+    p.add_argument("--block-size", type=int, default=4, help="B of the τ loop (and exact mode's bound)")
+    p.add_argument("--tau", type=float, default=0.95)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (after one warm-up)")
+    p.add_argument("--profile", action="store_true", help="also profile each decoder at batch 1")
+    p.add_argument("--stored-layout", action="store_true", help="undo model.decoding_layout (weights "
+                   "row-major, as stored): the layout's before / after, in two runs")
+    add_model_args(p)
+    args = p.parse_args()
+    ck = load_for_bench(args, "bench_decode_")
+    args.model = ck.model
+    if args.stored_layout:
+        with torch.no_grad():
+            for w in ck.model.parameters():
+                w.data = w.data.contiguous()
+    print(machine(args.device))
+    print(f"checkpoint {args.ckpt or ck.path + ' (random)'}: {ck.model.num_params() / 1e6:.1f}M params, "
+          f"{args.dtype}; greedy, {args.new_tokens} new tokens, prompts: "
+          f"{'the chat questions' if ck.tok else 'random ids'} ({len(QUESTIONS)}), rotated per round; "
+          f"weights {'row-major (stored)' if args.stored_layout else 'model.decoding_layout'}")
+    decs = decoders(args, ck.mask_id, ck.eos_ids)
+    differ = 0
+    for batch in args.batch_sizes:
+        differ += report(bench_batch(decs, ck.tok, ck.model, ck.mask_id, batch, args.rounds), batch,
+                         args.rounds)
+    if args.profile:
+        profile(decs, ck.tok, ck.model, ck.mask_id)
+    if differ:
+        print(f"{differ} exact decoder(s) differ from AR", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
