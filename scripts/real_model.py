@@ -66,7 +66,8 @@ from util.atomic import atomic_write, replace_dir, write_json, write_text
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_DIR = "out/smollm2"
 SMOKE = {"n_train": 6, "n_heldout": 6, "n_human": 4, "n_chat": 2, "max_new_tokens": 12, "gen_batch": 4,
-         "n_eval": 3, "n_val": 2, "n_timed": 2, "timing_rounds": 1, "n_curve": 2, "taus": [1.0, 0.95],
+         "n_eval": 3, "n_val": 2, "n_tau": 3, "n_timed": 2, "timing_rounds": 1, "n_curve": 2,
+         "taus": [1.0, 0.95],
          "taus_base": [1.0], "drafts": [1, 2], "teacher_k": 8, "timing": True,
          "train": {"mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "ckpt_interval": 1,
                    "eval_interval": 1, "eval_rows": 2}}
@@ -142,6 +143,9 @@ class Run:
             return
         print(f"[{name}] starting", flush=True)
         t0 = time.time()
+        # the key of the work begun, before it is done: a killed stage is resumed, not started over
+        self.manifest[name] = {"key": key, "elapsed_s": 0.0, "unfinished": True}
+        write_json(self.manifest_path, self.manifest)
         make()
         self.manifest[name] = {"key": key, "elapsed_s": round(time.time() - t0, 1),
                                "resumed": rec.get("key") == key}
@@ -568,7 +572,7 @@ def eval_taus(run):
     """(b) the τ sweep of the MARS model (B of training, window cache), and of the base at a
     few τ (its masks are untrained: what the τ rule does without MARS); each reply's NLL
     under the base."""
-    test, *_ = eval_inputs(run)
+    test = eval_inputs(run)[0][:run.cfg["n_tau"]]
     texts = [r["messages"][0]["content"] for r in test]
     base, tok = open_model(BASE_DIR, run)
     c, B = run.cfg, run.train_settings()["block_size"]
@@ -683,14 +687,11 @@ def speed_rows(t, ar="our AR"):
 
 
 def eval_exact(run):
-    """(c) exact mode. Tokens per forward of K in drafts, our AR and HF prompt lookup on the MARS
-    model (the base's weights as a side row), on the test and general-chat prompts, with
-    bootstrap intervals over prompts. K for the wall clock is chosen on the val prompts (the
-    fastest against our AR, one round); then our AR, exact K and HF prompt lookup are timed on
-    the test prompts, interleaved, `timing_rounds` rounds, at batch 1, and our AR and exact K
-    at batch 4."""
+    """(c) exact mode's tokens per forward: K in drafts, our AR and HF prompt lookup on the MARS
+    model (exact mode K = 2 and HF prompt lookup on the base's weights as side rows), on the
+    test prompts, and K = 2 on the general-chat prompts; bootstrap intervals over prompts."""
     test, val, chat, _ = eval_inputs(run)
-    c, dev = run.cfg, run.cfg["device"]
+    c = run.cfg
     model, tok = open_model(run.path("train", "mars"), run)
     base = open_model(BASE_DIR, run)[0]
     fns = decoders(run, model, tok, run.path("train", "mars"))
@@ -702,18 +703,32 @@ def eval_exact(run):
             p = prompts_of(tok, rows)
             ar = in_chunks(table_["our AR"], p, c["gen_batch"])
             for n, fn in table_.items():
+                if split == "chat" and not (n == "exact K=2" or owner == "mars" and n == "our AR"):
+                    continue  # far-from-training prompts: K = 2 (our AR is its reference)
                 gens = ar if n == "our AR" else in_chunks(fn, p, 1 if n.startswith("HF") else c["gen_batch"])
                 res["tokens_per_forward"][f"{split}/{owner}/{n}"] = per_prompt(gens, ar)
                 print(f"[eval c] {split}/{owner}/{n}: {res['tokens_per_forward'][f'{split}/{owner}/{n}']}",
                       flush=True)
-    if not c["timing"]:  # a pilot: tokens per forward only
-        return res
+    return res
+
+
+def eval_timing(run):
+    """(e) wall clock. K is chosen on the val prompts (the fastest exact mode against our AR,
+    one round); then our AR, exact mode at that K and HF prompt lookup on the same MARS model
+    are timed on the first n_timed test prompts, interleaved, timing_rounds rounds, at batch 1,
+    and our AR and exact mode at batch 4. Off in the pilots ("timing": false)."""
+    test, val, _, _ = eval_inputs(run)
+    c, dev = run.cfg, run.cfg["device"]
+    if not c["timing"]:
+        return {}
+    model, tok = open_model(run.path("train", "mars"), run)
+    fns, res = decoders(run, model, tok, run.path("train", "mars")), {}
     val_p = [[p] for p in prompts_of(tok, val)]
     v, _ = time_decoders({n: fns[n] for n in fns if n == "our AR" or n.startswith("exact")}, val_p, 1, dev)
     v = speed_rows(v)
     K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
     res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
-    print(f"[eval c] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
+    print(f"[eval e] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
     test_p = prompts_of(tok, test)[:c["n_timed"]]
     pick = {n: fns[n] for n in ("our AR", f"exact K={K}", "HF prompt lookup")}
     res["timing"] = {}
@@ -725,7 +740,7 @@ def eval_exact(run):
         for n in t:
             res["timing"][f"batch {bs}"][n]["identical_to_ar"] = sum(
                 a.ids == b.ids for a, b in zip(outs[n], outs["our AR"])) / len(outs[n])
-        print(f"[eval c] batch {bs}: {res['timing'][f'batch {bs}']}", flush=True)
+        print(f"[eval e] batch {bs}: {res['timing'][f'batch {bs}']}", flush=True)
     return res
 
 
@@ -759,9 +774,10 @@ def eval_curve(run):
     return res
 
 
-EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, "d_curve": eval_curve}
-EVAL_KEYS = ("n_eval", "n_val", "n_curve", "n_timed", "timing", "timing_rounds", "taus", "taus_base",
-             "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "ar_sft")
+EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, "d_curve": eval_curve,
+         "e_timing": eval_timing}
+EVAL_KEYS = ("n_eval", "n_val", "n_tau", "n_curve", "n_timed", "timing", "timing_rounds", "taus",
+             "taus_base", "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "ar_sft", "ar_sft_target")
 
 
 def stage_eval(run):
@@ -807,10 +823,11 @@ def write_results(run, out):
 
 def summary(run, ev, stats):
     """Issue 21's summary keys (floats; relative changes as fractions); None where not measured."""
-    tf, taus, c = ev["a_quality"]["teacher_forced"], ev["b_taus"], ev["c_exact"]
+    tf, taus, c, e = ev["a_quality"]["teacher_forced"], ev["b_taus"], ev["c_exact"], ev["e_timing"]
+    S = run.train_settings()
     rel = lambda part, m: tf[part][m]["nll"] / tf[part]["base"]["nll"] - 1 if m in tf[part] else None  # noqa: E731
     get = lambda part, m, k: tf[part][m][k] if m in tf[part] else None  # noqa: E731
-    t1 = c["timing"]["batch 1"][f"exact K={c['k_choice']['drafts']}"] if "timing" in c else {}
+    t1 = e["timing"]["batch 1"][f"exact K={e['k_choice']['drafts']}"] if e else {}
     return {"human_nll_change_chat": rel("human_chat", "mars"),
             "human_nll_change_plain": rel("human_plain", "mars"),
             "ar_sft_human_nll_change_chat": rel("human_chat", "ar_sft"),
@@ -827,8 +844,10 @@ def summary(run, ev, stats):
             "tau095_tokens_per_forward":
                 next((p["tokens_per_forward"] for p in taus["mars"] if p["tau"] == 0.95), None),
             "exact_speed_vs_ar_batch1": t1.get("speed_vs_ar"),
-            "train_rows_distinct": float(stats["train"]["distinct_prompts"]),
-            "train_steps": float(run.train_settings()["mars_steps"])}
+            # each row once per epoch (train.step_rows): fewer steps x rows than rows means that many
+            "train_rows_distinct": float(min(stats["train"]["distinct_prompts"],
+                                             S["mars_steps"] * S["batch_size"])),
+            "train_steps": float(S["mars_steps"])}
 
 
 def strip_replies(x):
@@ -901,7 +920,7 @@ def side_by_side(run, n=3):
 def report_tables(run, ev):
     """The report's tables as rows: stages, teacher-forced quality, greedy τ = 1, τ sweep,
     tokens per forward, wall clock, learning curve."""
-    a, b, c, d = (ev[k] for k in EVALS)
+    a, b, c, d, e = (ev[k] for k in EVALS)
     tf = a["teacher_forced"]
     stages = [[s, f"{run.manifest[s]['elapsed_s'] / 60:.1f} min" +
                (" (resumed)" if run.manifest[s].get("resumed") else "")] for s in STAGES if s in run.manifest]
@@ -916,7 +935,7 @@ def report_tables(run, ev):
     timing = [[bs, n, fmt(r["median_s"], 2), f"{r['spread_s'][0]:.2f}-{r['spread_s'][1]:.2f}",
                f"{r['speed_vs_ar']:.3f}x [{r['speed_ci95'][0]:.3f}, {r['speed_ci95'][1]:.3f}]",
                fmt(r["identical_to_ar"])]
-              for bs, rows in c.get("timing", {}).items() for n, r in rows.items()]
+              for bs, rows in e.get("timing", {}).items() for n, r in rows.items()]
     curve = [[p["step"]] + [fmt(p[k]) for k in ("tokens_per_forward", "agreement", "kl", "nll_human_chat",
                                                 "val_loss")] for p in d]
     return stages, quality, greedy, taus, tpf, timing, curve
@@ -948,7 +967,7 @@ def report_targets(s):
 
 def report(run, ev, stats):
     """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
-    S, cfg, c = run.train_settings(), run.cfg, ev["c_exact"]
+    S, cfg, c, e = run.train_settings(), run.cfg, ev["c_exact"], ev["e_timing"]
     stage_rows, quality, greedy, taus, tpf, timing, curve = report_tables(run, ev)
     s = summary(run, ev, stats)
     cmd = f"python -m scripts.real_model --config {run.cfg_path}" + (" --smoke" if run.smoke else "")
@@ -1006,7 +1025,7 @@ replies made again here, in the evaluation's batches, against the replies stage'
 {table(["prompts", "model", "decoder", "tokens/forward", "identical to our AR"], tpf)}
 
 Exact mode's acceptance is per row, so its tokens per forward at batch {cfg['gen_batch']} is batch 1's.
-K for the wall clock, chosen on the validation prompts (speed vs our AR): {c.get('k_choice', 'not timed')}.
+K for the wall clock, chosen on the validation prompts (speed vs our AR): {e.get('k_choice', 'not timed')}.
 
 ## Wall clock ({cfg['timing_rounds']} interleaved rounds, all decoders warmed up, {cfg['n_timed']} prompts)
 
