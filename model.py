@@ -420,8 +420,11 @@ def decoding_layout(model: Qwen2) -> Qwen2:
     plain row-major (in, out) matrix; for the few rows of a decoding step (1 to ~20 new
     tokens) MKL's sgemm runs faster on it: SmolLM2-135M on 2 cores, 1 thread, CPU time of
     all 30 layers' linears, 4-9 rows 15-25 % less, and the 49,152-row head 30-40 % less;
-    1-2 rows the same (results/SPEED.md, issue 22). Training is not meant to run on it (the
-    values are the same, but the kernels were chosen for decoding)."""
+    1-2 rows the same (results/SPEED.md, issue 22). Measured on the CPU only, so a model on
+    another device is left as it is. Training is not meant to run on it (the values are the
+    same, but the kernels were chosen for decoding)."""
+    if model.lm_head.weight.device.type != "cpu":
+        return model
     with torch.no_grad():
         for module in model.modules():
             # a tied head is the embedding's Parameter: transposed once (then not contiguous)

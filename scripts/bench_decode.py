@@ -18,8 +18,10 @@ one does not. --profile adds, at batch 1, where one decoder's forward goes (prof
 run each): the linears, the LM head (the matmuls with V output columns), attention (sdpa),
 the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
 left of the wall time (Python and dispatch); host syncs = item() calls per forward.
+--layouts times one forward's matmuls at 1-17 rows in both weight layouts
+(model.decoding_layout, which checkpoint.load_checkpoint applies; --stored-layout undoes it).
 
-  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile
+  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile --layouts
 """
 
 import argparse
@@ -131,6 +133,34 @@ def profile(decs, tok, model, mask_id):
               f"{ms['other']:6.1f} {wall - sum(ms.values()):7.1f} {cat['syncs'] / f:6.1f}")
 
 
+@torch.no_grad()
+def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
+    """The matmuls of one forward at M rows in both weight layouts (model.decoding_layout):
+    every layer's linears, and the LM head, interleaved, median CPU ms (process time: steadier
+    than wall time on a shared machine; exact with --threads 1)."""
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.lm_head.weight
+    layers = [w for w in linears if w is not head]
+    stored = {id(w): w.contiguous() for w in linears}  # row-major, as in the file
+    cols = {id(w): w.t().contiguous().t() for w in linears}  # column-major
+    print("matmuls of one forward, CPU ms (median of interleaved rounds): layers' linears | LM head")
+    heads = f"{'stored':>8} {'decoding':>9} {'ratio':>6}"
+    print(f"  {'rows':>4} {heads} | {heads}")
+    for M in rows:
+        times = {k: [] for k in ("ls", "lc", "hs", "hc")}
+        for _ in range(rounds):
+            for key, ws, layout in (("ls", layers, stored), ("lc", layers, cols), ("hs", [head], stored),
+                                    ("hc", [head], cols)):
+                xs = {w.shape[1]: torch.randn(M, w.shape[1]) for w in ws}
+                t0 = time.process_time()
+                for w in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], layout[id(w)])
+                times[key].append(1000 * (time.process_time() - t0))
+        m = {k: statistics.median(v) for k, v in times.items()}
+        print(f"  {M:4d} {m['ls']:8.1f} {m['lc']:9.1f} {m['lc'] / m['ls']:6.2f} | {m['hs']:8.1f} "
+              f"{m['hc']:9.1f} {m['hc'] / m['hs']:6.2f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", help="HF-layout checkpoint (default: a random tiny model)")
@@ -141,6 +171,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (after one warm-up)")
     p.add_argument("--profile", action="store_true", help="also profile each decoder at batch 1")
+    p.add_argument("--layouts", action="store_true", help="also time one forward's matmuls in both "
+                   "weight layouts (model.decoding_layout) at 1-17 rows")
     p.add_argument("--stored-layout", action="store_true", help="undo model.decoding_layout (weights "
                    "row-major, as stored): the layout's before / after, in two runs")
     add_model_args(p)
@@ -163,6 +195,8 @@ def main():
                          args.rounds)
     if args.profile:
         profile(decs, ck.tok, ck.model, ck.mask_id)
+    if args.layouts:
+        layouts(ck.model)
     if differ:
         print(f"{differ} exact decoder(s) differ from AR", file=sys.stderr)
         return 1
