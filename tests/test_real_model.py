@@ -159,3 +159,30 @@ def test_stage_key_follows_the_code_it_runs():
         return 2
 
     assert R.digest(("code", f)) == R.digest(("code", f)) != R.digest(("code", g))
+
+
+SUMMARY_KEYS = {  # issue 21, item 6, written out
+    "human_nll_change_chat", "human_nll_change_plain", "ar_sft_human_nll_change_chat",
+    "ar_sft_human_nll_change_plain", "kl_base_replies", "ar_sft_kl_base_replies", "agreement_base_replies",
+    "ar_sft_agreement_base_replies", "agreement_human", "exact_tokens_per_forward_k2_batch1",
+    "prompt_lookup_tokens_per_forward", "tau095_tokens_per_forward", "exact_speed_vs_ar_batch1",
+    "train_rows_distinct", "train_steps"}
+
+
+def test_summary_has_exactly_the_issue_keys_as_floats(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    m = lambda nll, kl, agree: {"nll": nll, "kl": kl, "agreement": agree}  # noqa: E731
+    tf = {part: {"base": m(2.0, 0.0, 1.0), "ar_sft": m(2.1, 0.2, 0.9), "mars": m(2.02, 0.04, 0.96)}
+          for part in ("base_replies", "chat_replies", "human_chat", "human_plain")}
+    ev = {"a_quality": {"teacher_forced": tf},
+          "b_taus": {"mars": [{"tau": 1.0, "tokens_per_forward": 1.0},
+                              {"tau": 0.95, "tokens_per_forward": 1.5}]},
+          "c_exact": {"tokens_per_forward": {"test/mars/exact K=2": {"tokens_per_forward": 1.8},
+                                             "test/mars/HF prompt lookup": {"tokens_per_forward": 1.6}}},
+          "d_curve": [], "e_timing": {"k_choice": {"drafts": 2},
+                                      "timing": {"batch 1": {"exact K=2": {"speed_vs_ar": 1.1}}}}}
+    run = R.Run("t", {"results_dir": "r"}, "cfg.json", {"mars_steps": 250, "batch_size": 8}, smoke=False)
+    s = R.summary(run, ev, {"train": {"distinct_prompts": 2054}})
+    assert set(s) == SUMMARY_KEYS and all(isinstance(v, float) for v in s.values())
+    assert s["human_nll_change_chat"] == 2.02 / 2.0 - 1 and s["ar_sft_kl_base_replies"] == 0.2
+    assert s["train_rows_distinct"] == 2000.0  # 250 x 8 rows drawn, each once (fewer than the 2054 rows)
