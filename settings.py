@@ -42,7 +42,7 @@ class Settings:
     inv_t_weight: bool = False  # "w/o L_AR" as released: each row's noisy loss x 1/t, t ~ U[1e-3, 1) (§4)
     # optimisation (§7)
     ar_steps: int = 4000
-    mars_steps: int = 1500
+    mars_steps: int = 1000
     epochs: float = 0.0  # > 0: each stage makes this many passes over train.npz (replaces *_steps)
     batch_size: int = 16  # rows per optimizer step, all processes and accumulation together
     micro_batch_size: int = 16  # rows per forward per process; accumulation = batch / (world * micro)
