@@ -418,9 +418,9 @@ def decoding_layout(model: Qwen2) -> Qwen2:
     the head/embedding tie stay (state_dict, save_pretrained, which writes a contiguous copy,
     and HF loading are untouched). Why: F.linear(x, W) multiplies by W^T, which is then a
     plain row-major (in, out) matrix; for the few rows of a decoding step (1 to ~20 new
-    tokens) MKL's sgemm runs faster on it: SmolLM2-135M on 2 cores, 1 thread, CPU time of
-    all 30 layers' linears, 4-9 rows 15-25 % less, and the 49,152-row head 30-40 % less;
-    1-2 rows the same (results/SPEED.md, issue 22). Measured on the CPU only, so a model on
+    tokens) MKL's sgemm runs faster on it: SmolLM2-135M, 1 thread, CPU time of all 30
+    layers' linears 18-22 % less at 4-9 rows and the 49,152-row head 27-36 % less; 1 row the
+    same, 2 rows 10 % more (results/SPEED.md, issue 22). Measured on the CPU only, so a model on
     another device is left as it is. Training is not meant to run on it (the values are the
     same, but the kernels were chosen for decoding)."""
     if model.lm_head.weight.device.type != "cpu":
