@@ -9,7 +9,7 @@ the rounds of one round's value.
 
   ms/fwd     seconds per forward, the prefill excluded (the mean over a run's later steps)
   x AR       that, over the same round's AR value: what a step costs in AR steps
-  tok/fwd    generated tokens per forward, summed over rows / forwards summed over rows
+  tok/fwd    generated tokens per row and forward: all rows' tokens / (forwards x rows)
   limit      the speedup if a step cost an AR step: tok/fwd over AR's (= 1 per row)
   speedup    wall clock, AR's seconds per token over the decoder's (prefill included)
 
@@ -61,7 +61,6 @@ def run_once(steps, n_rows):
         forwards = step.forwards
         for b, t in enumerate(step.tokens):
             ids[b] += t
-    # per-row forwards as decoding.collect counts them (a finished row stops counting)
     return dict(prefill=times[0], steps=times[1:], forwards=forwards, ids=ids, total=sum(times))
 
 
@@ -136,8 +135,8 @@ def profile(decs, tok, model, mask_id):
 @torch.no_grad()
 def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
     """The matmuls of one forward at M rows in both weight layouts (model.decoding_layout):
-    every layer's linears, and the LM head, interleaved, median CPU ms (process time: steadier
-    than wall time on a shared machine; exact with --threads 1)."""
+    every layer's linears, and the LM head, interleaved, median CPU ms (process time, summed
+    over threads: steadier than wall time on a shared machine)."""
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
     layers = [w for w in linears if w is not head]
