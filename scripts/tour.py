@@ -403,8 +403,8 @@ def exact_verify_text(r):
     out = [f"### 3.3 Verify: {fn('exact.verify')} (§5.2)", "",
            "The output at each real token is the exact AR prediction of the token after it. At "
            "temperature 0 a draft is accepted while it equals that argmax (speculative sampling with "
-           "one-hot p and q, `sampling.speculative_accept`); the bonus token is the argmax after the "
-           "last accepted one.", ""]
+           "one-hot p and q, `sampling.speculative_accept`, run on the argmaxes by "
+           "`sampling.greedy_accept`); the bonus token is the argmax after the last accepted one.", ""]
     out += table(["real token", "position", "its output's argmax", "p", "checks", ""], body)
     out += ["", f"a = {a} accepted, bonus = `{VOCAB[r['bonus']]}`: the step emits {span(a, ' + ')}the "
             f"bonus = `{words(r['kept'])}` ({len(r['kept'])} tokens from one forward).", "",
