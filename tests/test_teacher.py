@@ -158,3 +158,29 @@ def test_tokens_target_makes_no_teacher_and_keeps_the_ce(tmp_path):
     with torch.no_grad():
         assert mars_loss(student, x, y, MASK, B)[2].item() == mars_loss(student, x, y, MASK, B,
                                                                          ar_teacher=None)[2].item()
+
+
+def test_replies_stage_teacher_is_the_top_k_of_the_models_distribution(tmp_path):
+    """scripts/real_model.teacher_topk against HF's float64 softmax of the same weights: the k
+    largest log-probabilities (float16) at their ids, and the rest's mass, before each target."""
+    from scripts.real_model import teacher_topk
+
+    hf = make_hf_model(tmp_path / "m", seed=3, vocab_size=V).double()
+    ours = Qwen2.from_pretrained(str(tmp_path / "m"))  # float32, as the replies stage runs
+    prompt, targets, k = [5, 9, 11, 40, 7], [100, 3, 77, 12], 16
+    logp, ids, rest = teacher_topk(ours, prompt, targets, k)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + targets])).logits[0].double(), -1)
+    ref = ref[len(prompt) - 1:-1]  # (4, V): the output before each target
+    top = ref.topk(k, -1)
+    assert logp.shape == ids.shape == (len(targets), k) and logp.dtype == np.float16 and ids.dtype == np.int32
+    assert (ids == top.indices.numpy()).all()  # the same tokens (margins checked below)
+    gaps = top.values[:, :-1] - top.values[:, 1:]
+    # no near-tie the fp32 model could order otherwise (measured gaps >= 1.2e-4, ~100x fp32's 1e-6)
+    assert gaps.min() > 1e-4 and (top.values[:, -1] - ref.topk(k + 1, -1).values[:, -1]).min() > 1e-4
+    # float16 storage rounds by half an ulp, at most 2^-9 ~ 1.95e-3 for |log p| < 8 (measured 1.85e-3);
+    # the bound is one ulp of [4, 8)
+    assert top.values.min() > -8
+    assert np.abs(logp.astype(np.float64) - top.values.numpy()).max() < 2**-8
+    want_rest = 1 - top.values.exp().sum(-1).numpy()  # float64; ours float32 (measured 3.1e-7 relative)
+    assert np.allclose(rest, want_rest, rtol=1e-5, atol=0)
