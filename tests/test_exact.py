@@ -41,8 +41,6 @@ N_NEW = 24
 SETTINGS = [(K, B) for B in (4, 8) for K in (1, 2, 4)]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
-
 
 def load(path, **cfg):
     """(HF reference, our model, mask id) with the same random weights; the last id plays <|mask|>."""

@@ -46,8 +46,6 @@ CONFIGS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
-
 
 def load_pair(path, seed=0, **cfg):
     """(HF reference model, our model) with the same random weights."""

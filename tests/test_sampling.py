@@ -55,8 +55,6 @@ from sampling import (
     speculative_accept,
 )
 
-torch.set_num_threads(1)
-
 
 def hf_probs(logits, s):
     """HF's warpers in generate()'s order (utils.py _get_logits_processor), then softmax."""

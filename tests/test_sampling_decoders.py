@@ -62,8 +62,6 @@ EOS = 6
 TAU_MARGIN = 1e-4
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
-
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -11,7 +11,6 @@ beyond the paper's CE of MARS_SPEC §4), each against an independent reference:
 """
 
 import numpy as np
-import pytest
 import torch
 from conftest import hf_float64, make_hf_model
 
@@ -21,7 +20,6 @@ from mars import IGNORE, ar_loss, mars_loss, teacher_kl
 from model import Qwen2
 from settings import Settings
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 V, B, MASK, EOS, PAD = 256, 4, 255, 3, 0
 SPECIAL = {"mask": MASK, "eos": EOS, "pad": PAD}
 

@@ -50,8 +50,6 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 10  # per stage; checkpoints every 5
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
-
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
