@@ -974,11 +974,9 @@ def report_targets(s, taus):
                 lambda v: v >= 1.0)]
 
 
-def report(run, ev, stats):
-    """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
-    S, cfg, c, e = run.train_settings(), run.cfg, ev["c_exact"], ev["e_timing"]
-    stage_rows, quality, greedy, taus, tpf, timing, curve = report_tables(run, ev)
-    s = summary(run, ev, stats)
+def report_intro(run, ev, stats):
+    """RESULTS.md's title, what was run (base, data, recipe, evaluation sets) and its command."""
+    S, cfg, c = run.train_settings(), run.cfg, ev["c_exact"]
     cmd = f"python -m scripts.real_model --config {run.cfg_path}" + (" --smoke" if run.smoke else "")
     target = (f"KL(base ‖ model) to the top-{cfg['teacher_k']} teacher" if S.get("ar_target") == "teacher"
               else "CE on the tokens (the paper)")
@@ -1000,7 +998,15 @@ Evaluation: {ev['a_quality']['n']} held-out test prompts, {c['n_val']} validatio
 ```
 {cmd}
 ```
+"""
 
+
+def report(run, ev, stats):
+    """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
+    cfg, e = run.cfg, ev["e_timing"]
+    stage_rows, quality, greedy, taus, tpf, timing, curve = report_tables(run, ev)
+    s = summary(run, ev, stats)
+    return report_intro(run, ev, stats) + f"""
 ## Elapsed time per stage
 
 {table(["stage", "elapsed"], stage_rows)}
