@@ -9,7 +9,11 @@ import shutil
 def atomic_write(path, write, mode="w"):
     """Write `path` through `path.tmp` and a rename. `write(f)` gets the open temp file
     (text or binary by `mode`); it is flushed to disk and closed before the rename, and
-    removed if `write` raises (including KeyboardInterrupt)."""
+    removed if `write` raises (including KeyboardInterrupt). A `path` that exists and is not
+    a regular file (a directory, a device such as /dev/null, a pipe) is refused: the rename
+    would replace it by a file."""
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path}: exists and is not a regular file; refusing to replace it")
     tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
