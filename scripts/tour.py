@@ -17,7 +17,6 @@ page (tests/test_tour.py checks the committed page is what this script gives tod
 
 import argparse
 import math
-import os
 
 import torch
 
@@ -489,15 +488,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/tour.md", help="where to write the page; - prints it")
     args = p.parse_args(argv)
-    if args.out != "-" and os.path.exists(args.out) and not os.path.isfile(args.out):
-        p.error(f"{args.out} is not a regular file (an atomic write would replace it by one)")
     torch.set_num_threads(1)  # a tiny model: one thread is fastest, and leaves the other core free
     text = render()
     if args.out == "-":
         print(text, end="")
-    else:
-        write_text(args.out, text)
-        print(f"wrote {args.out} ({text.count(chr(10))} lines)")
+        return
+    try:
+        write_text(args.out, text)  # refuses a path that is not a regular file (a device, a folder)
+    except ValueError as e:
+        p.error(str(e))
+    print(f"wrote {args.out} ({text.count(chr(10))} lines)")
 
 
 if __name__ == "__main__":
