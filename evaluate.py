@@ -9,6 +9,11 @@ Tokens per forward = generated tokens / forward passes, summed over all problems
     python evaluate.py --ckpt out/default/mars --taus 1,0.9
     python evaluate.py --ckpt out/default/mars --split hard    # longer problems than training shows
     python evaluate.py --ckpt out/default/mars --taus 0.95 --by-phase 0.95   # wrong steps by phase
+    python evaluate.py --ckpt out/default/mars --taus 1 --nll   # + the reference replies' NLL
+
+Accuracy saturates once a model has learned a family; `--nll` adds a measure that does not: the
+mean negative log-likelihood of the reference replies under the model in one-token mode
+(teacher-forced, the plain causal forward of §1), in nats per reply token.
 """
 
 import argparse
@@ -59,11 +64,39 @@ def wrong_steps_by_phase(model, tok, problems, block_size, tau, mask_id=None, ba
 
 
 @torch.no_grad()
+def reply_nll(model, tok, problems, batch_size=64):
+    """Per problem [NLL summed over its reference reply (nats), reply tokens], under the causal
+    model: for every reply token up to and including its <|im_end|>, -log p(token | everything
+    before it). Rows are right-padded with EOS (causal attention: padding after a position cannot
+    change its logits) and the padded positions are not counted."""
+    rows, out = [], []
+    for p in problems:
+        prompt = tok.encode_chat(p["messages"][:-1], add_generation_prompt=True)
+        full = tok.encode_chat(p["messages"])
+        rows.append((full[:full.index(tok.eos_id, len(prompt)) + 1], len(prompt)))
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        T = max(len(f) for f, _ in chunk)
+        ids = torch.tensor([f + [tok.eos_id] * (T - len(f)) for f, _ in chunk])
+        logp = model(ids[:, :-1]).double().log_softmax(-1)
+        for r, (full, start) in enumerate(chunk):  # token j is predicted at position j - 1
+            tgt = torch.tensor(full[start:])
+            out.append([-logp[r, start - 1:len(full) - 1].gather(-1, tgt[:, None]).sum().item(), len(tgt)])
+    return out
+
+
+def mean_nll(rows):
+    """Nats per token over reply_nll's rows."""
+    return sum(s for s, _ in rows) / sum(n for _, n in rows)
+
+
+@torch.no_grad()
 def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, split="test",
              limit=None, batch_size=50, max_new_tokens=96, cache="window", device="cpu",
-             model=None, verbose=True, by_phase=()):
+             model=None, verbose=True, by_phase=(), nll=False):
     """{tau: {"accuracy", "tokens_per_forward", "per_family", "seconds"}} on `split`; each τ
-    of `by_phase` also gets "wrong_steps_by_phase" (wrong_steps_by_phase)."""
+    of `by_phase` also gets "wrong_steps_by_phase" (wrong_steps_by_phase); with `nll`, the
+    record of τ = 1 also gets "reply_nll" (mean_nll of reply_nll), overall and "reply_nll_by_family"."""
     ck = load_checkpoint(ckpt, device, model=model)
     tok, model, eos = ck.tok, ck.model, ck.eos_ids
     if tok is None:
@@ -101,6 +134,15 @@ def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, sp
             if verbose:
                 print("  one step from each prefix of the reference replies, wrong extra token accepted:  "
                       + "  ".join(f"phase {r}: {w}/{n}" for r, (n, w) in ph.items()), flush=True)
+    if nll:
+        r = results.setdefault(1.0, {})
+        rows = reply_nll(model, tok, problems)
+        r["reply_nll"] = mean_nll(rows)
+        r["reply_nll_by_family"] = {f: mean_nll([x for x, p in zip(rows, problems) if p["family"] == f])
+                                    for f in FAMILIES if any(p["family"] == f for p in problems)}
+        if verbose:
+            print(f"reference replies' NLL {r['reply_nll']:.4f} nats/token  (" + "  ".join(
+                f"{f} {v:.4f}" for f, v in r["reply_nll_by_family"].items()) + ")", flush=True)
     return results
 
 
@@ -117,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--by-phase", default="", metavar="TAUS",
                     help="comma-separated τ values (of --taus) at which to also count wrong steps by "
                          "prefix length mod B (wrong_steps_by_phase)")
+    ap.add_argument("--nll", action="store_true", help="also the reference replies' NLL in one-token "
+                    "mode (reply_nll), stored with τ = 1")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     a = ap.parse_args(argv)
     if not os.path.isdir(a.ckpt):
@@ -126,7 +170,7 @@ def main(argv=None):
     if missing := [t for t in by_phase if t not in taus]:
         sys.exit(f"error: --by-phase {a.by_phase}: {missing} not among --taus {a.taus}")
     res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
-                   by_phase=by_phase)
+                   by_phase=by_phase, nll=a.nll)
     if a.json:
         write_json(a.json, res)
 

@@ -1,9 +1,12 @@
-"""evaluate.wrong_steps_by_phase against the §5 step written out on HF transformers."""
+"""evaluate.wrong_steps_by_phase against the §5 step written out on HF transformers; evaluate's
+reference-reply NLL against one unpadded HF forward per reply, in float64."""
+
+import math
 
 import torch
-from conftest import make_hf_model
+from conftest import hf_float64, make_hf_model
 
-from evaluate import wrong_steps_by_phase
+from evaluate import mean_nll, reply_nll, wrong_steps_by_phase
 from model import Qwen2
 
 MASK, EOS = 250, 251
@@ -57,3 +60,29 @@ def test_wrong_steps_by_phase_is_the_rule_written_out_on_hf(tmp_path):
         want = hf_rule_by_phase(hf, rows, B, tau)
         assert got == want
         assert sum(n for n, _ in want.values()) > 40 and sum(w for _, w in want.values()) > 0
+
+
+def test_reply_nll_is_hf_teacher_forced_nll(tmp_path):
+    """reply_nll's per-row sums (batched, right-padded with EOS) equal -sum log p(reply token |
+    its prefix) from one unpadded HF forward per row, every reply token through the first EOS
+    after the prompt counted once; float64 on both sides, so the bound is rounding's (1e-9)."""
+    hf = make_hf_model(tmp_path, seed=3)
+    model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64).eval()
+    g = torch.Generator().manual_seed(1)
+    problems, want = [], []
+    for plen, rlen in ((3, 4), (6, 1), (2, 9), (5, 5), (4, 2)):  # varied lengths: padding is exercised
+        prompt = torch.randint(0, 200, (plen,), generator=g).tolist()
+        reply = torch.randint(0, 200, (rlen,), generator=g).tolist() + [EOS]
+        tail = [7, EOS]  # after the reply's EOS: not part of the reply, never counted
+        problems.append({"messages": [{"role": "user", "ids": prompt},
+                                      {"role": "assistant", "ids": reply + tail}]})
+        full = torch.tensor([prompt + reply])
+        with torch.no_grad(), hf_float64(hf):
+            logp = hf(full).logits[0].double().log_softmax(-1)
+        want.append([-sum(float(logp[plen - 1 + j, t]) for j, t in enumerate(reply)), len(reply)])
+    got = reply_nll(model, IdsTokenizer(), problems, batch_size=3)
+    assert [n for _, n in got] == [n for _, n in want]
+    for (a, _), (b, _) in zip(got, want):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (a, b)
+    assert math.isclose(mean_nll(got), sum(s for s, _ in want) / sum(n for _, n in want), rel_tol=1e-9)
+    assert mean_nll(got) > 1.0  # a random model: the replies are far from certain

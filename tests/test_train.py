@@ -17,7 +17,6 @@ made in-process; the other runs must reproduce it:
       configs parse, and the 0.5B one fits 24 GB by estimate_memory.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -446,11 +445,6 @@ def test_named_configs(tmp_path):
     """default.json is the defaults of train.py (python train.py == the default config); the
     0.5B config fits one 24 GB GPU by estimate_memory, and would not without checkpointing."""
     assert parse_settings(["--config", str(REPO / "configs/default.json")]) == Settings()
-    # reproduce.py's config: the default run but for the schedule of results/RESULTS.md
-    rep = parse_settings(["--config", str(REPO / "configs/reproduce.json")])
-    assert (rep.ar_steps, rep.mars_steps) == (3000, 4000)
-    assert dataclasses.replace(rep, ar_steps=Settings.ar_steps,
-                               mars_steps=Settings.mars_steps) == Settings()
     small = parse_settings(["--config", str(REPO / "configs/qwen2.5-0.5b-24gb.json")])
     big = parse_settings(["--config", str(REPO / "configs/qwen2.5-7b-multigpu.json")])
     assert small.gradient_checkpointing and small.dtype == "bfloat16" and small.block_size == 4
