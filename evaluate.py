@@ -69,7 +69,7 @@ def reply_nll(model, tok, problems, batch_size=64):
     model: for every reply token up to and including its <|im_end|>, -log p(token | everything
     before it). Rows are right-padded with EOS (causal attention: padding after a position cannot
     change its logits) and the padded positions are not counted."""
-    rows, out = [], []
+    rows, out, device = [], [], model.lm_head.weight.device
     for p in problems:
         prompt = tok.encode_chat(p["messages"][:-1], add_generation_prompt=True)
         full = tok.encode_chat(p["messages"])
@@ -77,10 +77,10 @@ def reply_nll(model, tok, problems, batch_size=64):
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         T = max(len(f) for f, _ in chunk)
-        ids = torch.tensor([f + [tok.eos_id] * (T - len(f)) for f, _ in chunk])
+        ids = torch.tensor([f + [tok.eos_id] * (T - len(f)) for f, _ in chunk], device=device)
         logp = model(ids[:, :-1]).double().log_softmax(-1)
         for r, (full, start) in enumerate(chunk):  # token j is predicted at position j - 1
-            tgt = torch.tensor(full[start:])
+            tgt = torch.tensor(full[start:], device=ids.device)
             out.append([-logp[r, start - 1:len(full) - 1].gather(-1, tgt[:, None]).sum().item(), len(tgt)])
     return out
 
@@ -135,7 +135,9 @@ def evaluate(ckpt, data_dir="data/default", taus=(1.0, 0.9), block_size=None, sp
                 print("  one step from each prefix of the reference replies, wrong extra token accepted:  "
                       + "  ".join(f"phase {r}: {w}/{n}" for r, (n, w) in ph.items()), flush=True)
     if nll:
-        r = results.setdefault(1.0, {})
+        if 1.0 not in results:
+            raise ValueError(f"nll=True needs τ = 1 among taus (its record holds the NLL), got {list(taus)}")
+        r = results[1.0]
         rows = reply_nll(model, tok, problems)
         r["reply_nll"] = mean_nll(rows)
         r["reply_nll_by_family"] = {f: mean_nll([x for x, p in zip(rows, problems) if p["family"] == f])
@@ -169,6 +171,8 @@ def main(argv=None):
     by_phase = [float(t) for t in a.by_phase.split(",") if t]
     if missing := [t for t in by_phase if t not in taus]:
         sys.exit(f"error: --by-phase {a.by_phase}: {missing} not among --taus {a.taus}")
+    if a.nll and 1.0 not in taus:
+        sys.exit(f"error: --nll is stored with τ = 1, which is not among --taus {a.taus}")
     res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
                    by_phase=by_phase, nll=a.nll)
     if a.json:

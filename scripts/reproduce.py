@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from data.synthetic import FAMILIES, read_jsonl
 from settings import Settings, parse_settings
@@ -208,10 +208,13 @@ class Lookup:
 
 
 def compare(a, b):
-    """The verdict on two lists of per-seed values: "a > b" or "a < b" when their min–max
-    ranges do not overlap (the difference exceeds the spread), else "within the spread"."""
+    """The verdict on two lists of per-seed values: "higher" or "lower" when their min–max
+    ranges do not overlap (the difference exceeds the spread), else "within the spread"; no
+    verdict from a single seed (it has no spread to exceed)."""
     if not a or not b:
         return "–"
+    if min(len(a), len(b)) < 2:
+        return "one seed: no verdict"
     if min(a) > max(b):
         return "higher"
     if max(a) < min(b):
@@ -515,6 +518,9 @@ def plan(a):
     scale = a.steps_scale if a.steps_scale is not None else 0.25 if a.quick else 1.0
     limit = a.limit if a.limit is not None else 100 if a.quick else None
     taus = [float(t) for t in a.taus.split(",")]
+    if 1.0 not in taus:
+        raise SystemExit(f"--taus {a.taus}: must include 1 (one-token mode: the AR variants' only τ, "
+                         "and where the NLL is stored)")
     seeds = parse_seeds(a.seeds or ("0" if a.quick else "0,1,2"))
     S = parse_settings([f"--config={a.config}"])
     if S.epochs > 0:
@@ -583,9 +589,11 @@ def train_all(a, P, todo, since):
     """Train and evaluate the runs still to run -> {key: record}, `jobs` at a time: every seed's
     AR stage first (its MARS variants start from it and wait for it), then the rest in order."""
     running, jobs = set(), P["jobs"]  # keys of the runs being trained or evaluated now
-    futures = {}
+    futures, halt, failures = {}, threading.Event(), []  # halt: a run failed, start no other
 
     def one(v):
+        if halt.is_set():
+            raise SystemExit(f"{v['key']}: not started (an earlier run failed)")
         dep = futures.get(f"ar_stage.s{v['seed']}")
         if v["name"] != "ar_stage" and v.get("stage") != "ar" and dep is not None:
             dep.result()  # submitted before this one, so already running or done: raises its failure
@@ -593,6 +601,11 @@ def train_all(a, P, todo, since):
         running.add(v["key"])
         try:
             r = run_variant(v, P, P["env"], load_json(f"{a.results}/runs/{v['key']}.json"))
+        except BaseException as e:
+            failures.append(e)
+            halt.set()
+            print(f"\n[failed] {v['key']}: {e}; {since()}", flush=True)
+            raise
         finally:
             running.discard(v["key"])
         save_json(r, f"{a.results}/runs/{v['key']}.json")
@@ -604,12 +617,16 @@ def train_all(a, P, todo, since):
     stop = threading.Event()
     if jobs > 1:  # their output goes to files: show each running training's latest progress line
         threading.Thread(target=progress, args=(todo, running, stop, since), daemon=True).start()
+    pool = ThreadPoolExecutor(jobs)
     try:
-        with ThreadPoolExecutor(jobs) as pool:
-            for v in order:
-                futures[v["key"]] = pool.submit(one, v)
-            return {k: f.result() for k, f in futures.items()}  # raises a run's SystemExit here
-    finally:
+        for v in order:
+            futures[v["key"]] = pool.submit(one, v)
+        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)  # all done, or a failure
+        if any(f.exception() is not None for f in done):
+            raise failures[0] if failures else next(f.exception() for f in done if f.exception())
+        return {k: f.result() for k, f in futures.items()}
+    finally:  # on a failure or Ctrl-C nothing new starts; the runs under way finish
+        pool.shutdown(wait=True, cancel_futures=True)
         stop.set()
 
 

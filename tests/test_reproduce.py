@@ -9,6 +9,7 @@ of one uninterrupted two-stage run, bit for bit (CPU, one thread).
 
 import json
 
+import pytest
 import torch
 from conftest import write_rows
 from safetensors.torch import load_file
@@ -48,3 +49,42 @@ def test_mars_from_the_saved_ar_stage_equals_the_two_stage_run(tmp_path):
     mars_losses = lambda out: [r["loss"] for r in log(out) if r["kind"] == "train" and r["stage"] == "mars"]
     assert len(mars_losses(two)) == M
     assert mars_losses(root / "mars_b4") == mars_losses(two)
+
+
+def test_seeds_scheduling_failure_and_verdicts(tmp_path, monkeypatch):
+    """plan() makes one run per variant and seed (train.py --seed=S, its own s<S>/ directory);
+    train_all starts every AR stage before the MARS runs that wait for it, and a failure stops
+    the queue: nothing starts after it and the failure is raised. The claims' rule: a verdict
+    only from non-overlapping min–max ranges of at least two seeds each."""
+    a = reproduce.parse_args(["--seeds", "0,1", "--jobs", "1", "--results", str(tmp_path / "r"),
+                              "--out", str(tmp_path / "o"), "--only", "mars_b4,ar_sft"])
+    P, vs = reproduce.plan(a)
+    (tmp_path / "r" / "runs").mkdir(parents=True)
+    assert [v["key"] for v in vs] == ["ar_stage.s0", "mars_b4.s0", "ar_sft.s0",
+                                      "ar_stage.s1", "mars_b4.s1", "ar_sft.s1"]
+    for v in vs:
+        assert f"--seed={v['seed']}" in v["train_cmd"] and f"/s{v['seed']}/" in v["out_dir"]
+    started = []
+
+    def fake(v, P, env, old):
+        started.append(v["key"])
+        if v["key"] == "ar_stage.s1":
+            raise SystemExit("ar_stage.s1: training failed")
+        return {"name": v["name"], "seed": v["seed"], "results": {"1.0": {"accuracy": 1.0}}}
+
+    monkeypatch.setattr(reproduce, "run_variant", fake)
+    with pytest.raises(SystemExit, match="ar_stage.s1: training failed"):
+        reproduce.train_all(a, P, vs, lambda: "")
+    assert started == ["ar_stage.s0", "ar_stage.s1"]  # the AR stages first; nothing after the failure
+    started.clear()
+    monkeypatch.setattr(reproduce, "run_variant", lambda v, *_: started.append(v["key"]) or
+                        {"name": v["name"], "seed": v["seed"], "results": {}})
+    got = reproduce.train_all(a, P, vs, lambda: "")
+    assert started[:2] == ["ar_stage.s0", "ar_stage.s1"] and sorted(got) == sorted(v["key"] for v in vs)
+    assert reproduce.compare([3.0, 4.0], [1.0, 2.5]) == "higher"
+    assert reproduce.compare([1.0, 2.0], [2.5, 3.0]) == "lower"
+    assert reproduce.compare([1.0, 3.0], [2.0, 4.0]) == "within the spread"
+    assert reproduce.compare([97.0], [96.0]) == "one seed: no verdict"
+    assert reproduce.fmt([1.0, 2.0, 6.0]) == "3.0 (1.0–6.0)" and reproduce.fmt([]) == "–"
+    with pytest.raises(SystemExit, match="must include 1"):
+        reproduce.plan(reproduce.parse_args(["--taus", "0.9"]))
