@@ -19,7 +19,8 @@ run each): the linears, the LM head (the matmuls with V output columns), attenti
 the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
 left of the wall time (Python and dispatch); host syncs = item() calls per forward.
 --layouts times one forward's matmuls at 1-17 rows in both weight layouts
-(model.decoding_layout, which checkpoint.load_checkpoint applies; --stored-layout undoes it).
+(model.decoding_layout, which checkpoint.load_checkpoint applies; --stored-layout undoes it),
+and with MKL's packed GEMM (weights packed for exactly M rows: a candidate, not used by model.py).
 
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile --layouts
 """
@@ -134,30 +135,44 @@ def profile(decs, tok, model, mask_id):
 
 @torch.no_grad()
 def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
-    """The matmuls of one forward at M rows in both weight layouts (model.decoding_layout):
-    every layer's linears, and the LM head, interleaved, median CPU ms (process time, summed
-    over threads: steadier than wall time on a shared machine)."""
+    """The matmuls of one forward at M rows in both weight layouts (model.decoding_layout), and
+    with MKL's packed GEMM (torch.ops.mkl: weights packed once for exactly M rows, as a decoder
+    with a fixed step shape could keep them; a candidate, not used by model.py): every layer's
+    linears, and the LM head, interleaved, median CPU ms (process time, summed over threads:
+    steadier than wall time on a shared machine)."""
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
     layers = [w for w in linears if w is not head]
     stored = {id(w): w.contiguous() for w in linears}  # row-major, as in the file
     cols = {id(w): w.t().contiguous().t() for w in linears}  # column-major
-    print("matmuls of one forward, CPU ms (median of interleaved rounds): layers' linears | LM head")
-    heads = f"{'stored':>8} {'decoding':>9} {'ratio':>6}"
+    mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    print("matmuls of one forward, CPU ms (median of interleaved rounds): layers' linears | LM head"
+          + ("" if mkl else "  (no MKL packed GEMM in this torch build)"))
+    heads = f"{'stored':>8} {'decoding':>9} {'packed':>7}"
     print(f"  {'rows':>4} {heads} | {heads}")
     for M in rows:
-        times = {k: [] for k in ("ls", "lc", "hs", "hc")}
+        weights = {"stored": stored, "decoding": cols}
+        if mkl:
+            pack = torch.ops.mkl._mkl_reorder_linear_weight
+            weights["packed"] = {id(w): pack(stored[id(w)], M) for w in linears}
+        times = {(ws, layout): [] for ws in ("layers", "head") for layout in weights}
         for _ in range(rounds):
-            for key, ws, layout in (("ls", layers, stored), ("lc", layers, cols), ("hs", [head], stored),
-                                    ("hc", [head], cols)):
-                xs = {w.shape[1]: torch.randn(M, w.shape[1]) for w in ws}
+            for ws, layout in times:
+                group = layers if ws == "layers" else [head]
+                xs = {w.shape[1]: torch.randn(M, w.shape[1]) for w in group}
                 t0 = time.process_time()
-                for w in ws:
-                    torch.nn.functional.linear(xs[w.shape[1]], layout[id(w)])
-                times[key].append(1000 * (time.process_time() - t0))
+                for w in group:
+                    if layout == "packed":
+                        x, pw = xs[w.shape[1]], weights["packed"][id(w)]
+                        torch.ops.mkl._mkl_linear(x, pw, stored[id(w)], None, M)
+                    else:
+                        torch.nn.functional.linear(xs[w.shape[1]], weights[layout][id(w)])
+                times[ws, layout].append(1000 * (time.process_time() - t0))
         m = {k: statistics.median(v) for k, v in times.items()}
-        print(f"  {M:4d} {m['ls']:8.1f} {m['lc']:9.1f} {m['lc'] / m['ls']:6.2f} | {m['hs']:8.1f} "
-              f"{m['hc']:9.1f} {m['hc'] / m['hs']:6.2f}")
+        row = [f"{m['layers', lay]:{n}.1f}" for lay, n in zip(weights, (8, 9, 7))]
+        row += ["|"] + [f"{m['head', lay]:{n}.1f}" for lay, n in zip(weights, (8, 9, 7))]
+        print(f"  {M:4d} " + " ".join(row), flush=True)
+        del weights
 
 
 def main():
