@@ -27,7 +27,7 @@ a MARS variant waits for its seed's AR stage. Checkpoints go to
 out/reproduce/<A>+<M>-<hash>/s<seed>/, the hash covering the config and the training, data and
 tokenizer sources, so a changed setting or source never reuses stale weights.
 
-    python -m scripts.reproduce             # 10 variants x seeds 0, 1, 2 (A = 4000, M = 1000)
+    python -m scripts.reproduce             # 10 variants x seeds 0, 1, 2 (A = 4000, M = 1000): 76 min
     python -m scripts.reproduce --seeds 0   # one seed, a third of the time
     python -m scripts.reproduce --quick     # A, M / 4, 100 test problems, seed 0
     python -m scripts.reproduce --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
