@@ -194,9 +194,6 @@ class Lookup:
     def hard(self, n):
         return self.over_seeds(n, lambda r: (r.get("hard") or {}).get("accuracy"))
 
-    def hard_nll(self, n):
-        return self.over_seeds(n, lambda r: (r.get("hard") or {}).get("reply_nll"))
-
     def label(self, n):
         return next(iter(self.results[n].values()))["label"] if self.results.get(n) else n
 
