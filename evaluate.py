@@ -80,7 +80,7 @@ def reply_nll(model, tok, problems, batch_size=64):
         ids = torch.tensor([f + [tok.eos_id] * (T - len(f)) for f, _ in chunk], device=device)
         logp = model(ids[:, :-1]).double().log_softmax(-1)
         for r, (full, start) in enumerate(chunk):  # token j is predicted at position j - 1
-            tgt = torch.tensor(full[start:], device=ids.device)
+            tgt = torch.tensor(full[start:], device=device)
             out.append([-logp[r, start - 1:len(full) - 1].gather(-1, tgt[:, None]).sum().item(), len(tgt)])
     return out
 
