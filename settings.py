@@ -40,6 +40,7 @@ class Settings:
     bidirectional: bool = False  # noisy->noisy bidirectional inside a block: "Block Diffusion style"
     ar_target: str = "tokens"  # L_AR: "tokens" = CE (§4); "teacher" = KL to the top-k teacher in the data
     inv_t_weight: bool = False  # "w/o L_AR" as released: each row's noisy loss x 1/t, t ~ U[1e-3, 1) (§4)
+    freeze_vocab: bool = False  # beyond the paper: the embedding and LM head stay fixed, but the mask row
     # optimisation (§7)
     ar_steps: int = 4000
     mars_steps: int = 1000
@@ -122,6 +123,8 @@ def parse_settings(argv):
                 put(k, v, value, text=False)
     if s.ar_target not in ("tokens", "teacher"):
         raise SystemExit(f"ar_target must be 'tokens' or 'teacher', got {s.ar_target!r}")
+    if s.freeze_vocab and s.fsdp:
+        raise SystemExit("freeze_vocab=true is not implemented with fsdp=true (sharded gradients)")
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
     for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "log_interval",

@@ -85,6 +85,18 @@ def row_t_weights(S, stage, step, slot, n, device):
     return inverse_t_weights(n, torch.Generator().manual_seed(hash((S.seed, step, slot)))).to(device)
 
 
+def keep_mask_row(model, mask_id):
+    """freeze_vocab (beyond the paper), after every backward: zero the embedding's (and a tied
+    head's) gradient outside the mask token's row, the one row MARS gives a new use (§2); an
+    untied head takes no gradient at all (build_model). Why: from the first step AdamW moves
+    every row of the head by about lr per entry, whatever the gradient's size, and every AR
+    logit with it (issue 21)."""
+    g = model.model.embed_tokens.weight.grad
+    if g is not None:
+        g[:mask_id].zero_()
+        g[mask_id + 1:].zero_()
+
+
 def lr_at(step, total, S):
     """Linear warm-up over warmup_frac of the stage (§7: 3%), then cosine to lr * min_lr_frac."""
     warm = math.ceil(S.warmup_frac * total)
@@ -95,9 +107,11 @@ def lr_at(step, total, S):
 
 
 def make_optimizer(net, S, device):
-    ps = list(net.parameters())
-    groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": S.weight_decay},
-              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+    ps = [p for p in net.parameters() if p.requires_grad]
+    # a frozen vocabulary matrix gets no decay either (AdamW decays a parameter whose gradient is 0)
+    vocab = net.model.model.embed_tokens.weight if S.freeze_vocab else None
+    groups = [{"params": [p for p in ps if p.dim() >= 2 and p is not vocab], "weight_decay": S.weight_decay},
+              {"params": [p for p in ps if p.dim() < 2 or p is vocab], "weight_decay": 0.0}]
     # fused: one kernel for the whole update, on the CPU too (torch >= 2.4): 5 % of the main
     # job's time on 2 cores (results/SPEED.md); FSDP's sharded parameters take foreach
     kw = {"fused": True} if not S.fsdp else {"foreach": True}
@@ -313,6 +327,8 @@ def build_model(r, state):
           f"{r.device}, {str(dtype).removeprefix('torch.')}")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
         r.say(memory_report(cfg, replace(S, dtype=str(dtype).removeprefix("torch.")), r.world))
+    if S.freeze_vocab and not cfg.tie_word_embeddings:
+        model.lm_head.weight.requires_grad_(False)  # keep_mask_row does the embedding
     r.model, r.net, r.amp = model, StageLoss(model, S, special["mask"]), autocast(r.device, dtype)
     if r.world > 1 and S.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -406,6 +422,8 @@ def train_step(r, opt, stage, step):
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
         acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
                             l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])
+    if S.freeze_vocab:
+        keep_mask_row(r.model, r.special["mask"])
     gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or math.inf)
     gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
     if world > 1:

@@ -387,6 +387,29 @@ def test_init_from_an_hf_checkpoint_trains_that_model(data_dir, tmp_path):
     assert not (out / "mars").exists() and Qwen2.from_pretrained(str(out / "ar")).config.vocab_size == 320
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_freeze_vocab_trains_the_mask_row_alone(data_dir, tmp_path, tied):
+    """freeze_vocab: after AR and MARS steps at weight decay 0.1, every embedding row but the mask
+    token's is bit-equal to the start, and so is an untied LM head; the mask row and the layers moved."""
+    mask_id = Tokenizer.from_dir(data_dir / "tokenizer").mask_id
+    make_hf_model(tmp_path / "hf", seed=3, vocab_size=320, initializer_range=0.02, tie_word_embeddings=tied)
+    start = weights(tmp_path / "hf")
+    out = tmp_path / "run"
+    train.main(args(data_dir, out, f"--init_from={tmp_path / 'hf'}", "--ar_steps=2", "--mars_steps=2",
+                    "--freeze_vocab=true", "--weight_decay=0.1"))
+    end = weights(out / "mars")
+    emb, emb0 = end["model.embed_tokens.weight"], start["model.embed_tokens.weight"]
+    others = torch.ones(len(emb), dtype=torch.bool)
+    others[mask_id] = False
+    assert torch.equal(emb[others], emb0[others])
+    assert not torch.equal(emb[mask_id], emb0[mask_id])
+    assert ("lm_head.weight" in end) == (not tied)
+    if not tied:
+        assert torch.equal(end["lm_head.weight"], start["lm_head.weight"])
+    layer = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(end[layer], start[layer])
+
+
 # ----------------------------------------------------------------------------- (5) NaN guard
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(data_dir, tmp_path):
     """lr = 1e6 (no warm-up) blows the model up within a few steps: a realistic trigger."""
