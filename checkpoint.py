@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from model import Qwen2, decoding_layout
+from model import Qwen2, pack_for_decoding
 from tokenizer import Tokenizer
 from util.atomic import write_json
 
@@ -83,7 +83,7 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32, model=None):
     tok, mars = open_tokenizer(path), read_json(path, "mars.json")
     mask_id = mars.get("mask_id", getattr(tok, "mask_id", None))
     if model is None:
-        model = decoding_layout(Qwen2.from_pretrained(path, dtype, device).eval())  # weights for decoding
+        model = pack_for_decoding(Qwen2.from_pretrained(path, dtype, device).eval())  # fast decoding matmuls
     return Checkpoint(path, model, tok, mars.get("block_size"), mask_id, eos_ids_of(path, tok), mars)
 
 

@@ -162,16 +162,37 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+class Linear(nn.Linear):
+    """nn.Linear, plus an optional second copy of the weight packed for oneDNN's CPU matmul
+    (`pack_for_decoding`). The packed copy is used only where no gradient is wanted (decoding),
+    on fp32 CPU inputs, and only while the weight is the one it was packed from (same storage,
+    no in-place change since): otherwise, and always in training, this is F.linear."""
+
+    packed = None  # (weight key, packed tensor), set by pack_for_decoding
+
+    def forward(self, x):
+        p = self.packed
+        if p is not None and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.is_cpu \
+                and p[0] == _weight_key(self.weight):
+            return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _weight_key(w):
+    """What identifies a weight's values cheaply: its storage and in-place version counter."""
+    return w.data_ptr(), w._version
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen2Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias  # Qwen2: q/k/v biases; Llama: none
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache=None):
         N, T, _ = x.shape
@@ -225,9 +246,9 @@ def attend(q, k, v, mask, scale):
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -297,7 +318,7 @@ class Qwen2(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -410,26 +431,28 @@ def _weight_files(path):
                             "(only safetensors weights are loaded)")
 
 
-def decoding_layout(model: Qwen2) -> Qwen2:
-    """Store every nn.Linear weight transposed in memory (column-major), for decoding; in place,
-    idempotent, returns the model. checkpoint.load_checkpoint (the decoders' opener) calls it.
+def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
+    """Give every fp32 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
+    (torch.ops.mkldnn, the blocked layout torch.compile's CPU freezing uses); in place,
+    returns the model. checkpoint.load_checkpoint (the decoders' opener) calls it. `rows` is
+    the row count oneDNN picks its layout for; any row count then runs on it.
 
-    Only the strides change: weight[i, j] is the same number, so every name, shape, value and
-    the head/embedding tie stay (state_dict, save_pretrained, which writes a contiguous copy,
-    and HF loading are untouched). Why: F.linear(x, W) multiplies by W^T, which is then a
-    plain row-major (in, out) matrix; for the few rows of a decoding step (1 to ~20 new
-    tokens) MKL's sgemm runs faster on it: SmolLM2-135M, 1 thread, CPU time of all 30
-    layers' linears 18-22 % less at 4-9 rows and the 49,152-row head 27-36 % less; 1 row the
-    same, 2 rows 10 % more (results/SPEED.md, issue 22). Measured on the CPU only, so a model on
-    another device is left as it is. Training is not meant to run on it (the values are the
-    same, but the kernels were chosen for decoding)."""
-    if model.lm_head.weight.device.type != "cpu":
+    Why: for the 1-20 rows of a decoding step, MKL's sgemm through F.linear packs the weight
+    again at every call, and 4-9 rows cost 1.3-2x one row; from the packed copy they cost
+    about one row's time, and one row less than F.linear's (SmolLM2-135M, 2 CPU threads:
+    results/SPEED.md, issue 22). Nothing else changes: the Parameters, their names, values and
+    the head/embedding tie stay, training and gradients use F.linear (`Linear.forward`), and a
+    weight changed in place after packing is read through F.linear again. The price is a
+    second copy of every weight matrix in memory (the tied head's too). Packed in fp32 only, on
+    the CPU only, where this torch has oneDNN; anything else is left as it is. Results differ
+    from F.linear's by fp32 rounding (another summation order): tests/test_fast_paths.py."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
     with torch.no_grad():
         for module in model.modules():
-            # a tied head is the embedding's Parameter: transposed once (then not contiguous)
-            if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()  # same Parameter object
+            w = module.weight if isinstance(module, Linear) else None
+            if w is not None and w.dtype == torch.float32 and w.is_cpu:
+                module.packed = (_weight_key(w), torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows))
     return model
 
 

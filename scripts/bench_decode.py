@@ -18,9 +18,9 @@ one does not. --profile adds, at batch 1, where one decoder's forward goes (prof
 run each): the linears, the LM head (the matmuls with V output columns), attention (sdpa),
 the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
 left of the wall time (Python and dispatch); host syncs = item() calls per forward.
---layouts times one forward's matmuls at 1-17 rows in both weight layouts
-(model.decoding_layout, which checkpoint.load_checkpoint applies; --stored-layout undoes it),
-and with MKL's packed GEMM (weights packed for exactly M rows: a candidate, not used by model.py).
+--layouts times one forward's matmuls at 1-17 rows through F.linear (the weights as stored) and
+from the weights packed for oneDNN (model.pack_for_decoding, which checkpoint.load_checkpoint
+applies; --unpacked drops the packed copies, so the decoders run on F.linear: the before / after).
 
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile --layouts
 """
@@ -34,6 +34,7 @@ import torch
 
 from exact import exact_steps
 from generate import ar_decode, mars_decode
+from model import Linear, pack_for_decoding
 from scripts.common import QUESTIONS, add_model_args, ints, load_for_bench, machine, make_prompts
 
 
@@ -135,44 +136,32 @@ def profile(decs, tok, model, mask_id):
 
 @torch.no_grad()
 def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
-    """The matmuls of one forward at M rows in both weight layouts (model.decoding_layout), and
-    with MKL's packed GEMM (torch.ops.mkl: weights packed once for exactly M rows, as a decoder
-    with a fixed step shape could keep them; a candidate, not used by model.py): every layer's
-    linears, and the LM head, interleaved, median CPU ms (process time, summed over threads:
-    steadier than wall time on a shared machine)."""
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.lm_head.weight
-    layers = [w for w in linears if w is not head]
-    stored = {id(w): w.contiguous() for w in linears}  # row-major, as in the file
-    cols = {id(w): w.t().contiguous().t() for w in linears}  # column-major
-    mkl = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-    print("matmuls of one forward, CPU ms (median of interleaved rounds): layers' linears | LM head"
-          + ("" if mkl else "  (no MKL packed GEMM in this torch build)"))
-    heads = f"{'stored':>8} {'decoding':>9} {'packed':>7}"
-    print(f"  {'rows':>4} {heads} | {heads}")
+    """The matmuls of one forward at M rows through F.linear on the stored weights and through
+    model.Linear's packed path (model.pack_for_decoding): every layer's linears, and the LM
+    head, interleaved, median wall ms."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    packed = {id(m): pack_for_decoding(m).packed for m in linears}  # a module packs like a model
+    layers = [m for m in linears if m is not model.lm_head]
+    print("matmuls of one forward, wall ms (median of interleaved rounds): layers' linears | LM head")
+    print(f"  {'rows':>4} {'F.linear':>9} {'packed':>7} {'ratio':>6} | {'F.linear':>9} {'packed':>7} {'ratio':>6}")
     for M in rows:
-        weights = {"stored": stored, "decoding": cols}
-        if mkl:
-            pack = torch.ops.mkl._mkl_reorder_linear_weight
-            weights["packed"] = {id(w): pack(stored[id(w)], M) for w in linears}
-        times = {(ws, layout): [] for ws in ("layers", "head") for layout in weights}
+        times = {(ws, way): [] for ws in ("layers", "head") for way in ("F.linear", "packed")}
         for _ in range(rounds):
-            for ws, layout in times:
-                group = layers if ws == "layers" else [head]
-                xs = {w.shape[1]: torch.randn(M, w.shape[1]) for w in group}
-                t0 = time.process_time()
-                for w in group:
-                    if layout == "packed":
-                        x, pw = xs[w.shape[1]], weights["packed"][id(w)]
-                        torch.ops.mkl._mkl_linear(x, pw, stored[id(w)], None, M)
-                    else:
-                        torch.nn.functional.linear(xs[w.shape[1]], weights[layout][id(w)])
-                times[ws, layout].append(1000 * (time.process_time() - t0))
-        m = {k: statistics.median(v) for k, v in times.items()}
-        row = [f"{m['layers', lay]:{n}.1f}" for lay, n in zip(weights, (8, 9, 7))]
-        row += ["|"] + [f"{m['head', lay]:{n}.1f}" for lay, n in zip(weights, (8, 9, 7))]
-        print(f"  {M:4d} " + " ".join(row), flush=True)
-        del weights
+            for ws, way in times:
+                group = layers if ws == "layers" else [model.lm_head]
+                for m in group:
+                    m.packed = packed[id(m)] if way == "packed" else None
+                xs = {m.in_features: torch.randn(M, m.in_features) for m in group}
+                t0 = time.perf_counter()
+                for m in group:
+                    m(xs[m.in_features])
+                times[ws, way].append(1000 * (time.perf_counter() - t0))
+        for m in linears:
+            m.packed = packed[id(m)]
+        t = {k: statistics.median(v) for k, v in times.items()}
+        cells = [f"{t[ws, 'F.linear']:9.1f} {t[ws, 'packed']:7.1f} {t[ws, 'packed'] / t[ws, 'F.linear']:6.2f}"
+                 for ws in ("layers", "head")]
+        print(f"  {M:4d} {cells[0]} | {cells[1]}", flush=True)
 
 
 def main():
@@ -185,23 +174,23 @@ def main():
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (after one warm-up)")
     p.add_argument("--profile", action="store_true", help="also profile each decoder at batch 1")
-    p.add_argument("--layouts", action="store_true", help="also time one forward's matmuls in both "
-                   "weight layouts (model.decoding_layout) at 1-17 rows")
-    p.add_argument("--stored-layout", action="store_true", help="undo model.decoding_layout (weights "
-                   "row-major, as stored): the layout's before / after, in two runs")
+    p.add_argument("--layouts", action="store_true", help="also time one forward's matmuls at 1-17 "
+                   "rows through F.linear and from the packed weights (model.pack_for_decoding)")
+    p.add_argument("--unpacked", action="store_true", help="drop the packed weights (F.linear on the "
+                   "weights as stored): pack_for_decoding's before / after, in two runs")
     add_model_args(p)
     args = p.parse_args()
     ck = load_for_bench(args, "bench_decode_")
     args.model = ck.model
-    if args.stored_layout:
-        with torch.no_grad():
-            for w in ck.model.parameters():
-                w.data = w.data.contiguous()
+    if args.unpacked:
+        for m in ck.model.modules():
+            if isinstance(m, Linear):
+                m.packed = None
     print(machine(args.device))
     print(f"checkpoint {args.ckpt or ck.path + ' (random)'}: {ck.model.num_params() / 1e6:.1f}M params, "
           f"{args.dtype}; greedy, {args.new_tokens} new tokens, prompts: "
           f"{'the chat questions' if ck.tok else 'random ids'} ({len(QUESTIONS)}), rotated per round; "
-          f"weights {'row-major (stored)' if args.stored_layout else 'model.decoding_layout'}")
+          f"matmuls {'F.linear (unpacked)' if args.unpacked else 'packed (model.pack_for_decoding)'}")
     decs = decoders(args, ck.mask_id, ck.eos_ids)
     differ = 0
     for batch in args.batch_sizes:
