@@ -4,6 +4,7 @@
     python -m scripts.real_model --config configs/smollm2-pilot-ce.json   # a pilot (<= ~15 min)
     python -m scripts.real_model --config gpu     # configs/smollm2-gpu.json: bf16 on CUDA
     python -m scripts.real_model --smoke          # a config shrunk: a few prompts, 2 steps
+    python -m scripts.real_model --config final --export-rows   # make the rows once, for git
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
@@ -15,7 +16,9 @@ killed run is started again with the same command:
            reply_temperature, train rows only), with our AR decoder, in chunks of gen_batch
            prompts, each chunk its own file; for the train and held-out rows also the base's
            top-k next-token distribution at every reply position (teacher_topk: one
-           teacher-forced forward), kept beside the JSONL as SPLIT_teacher.npz
+           teacher-forced forward), kept beside the JSONL as SPLIT_teacher.npz. Rows committed
+           under results/real_model/data/NAME (`--export-rows` writes them) with this run's
+           settings are used instead (prompts too): only the teacher is computed again
   arrays   data/prepare.py's prepare_generated -> data/train.npz, data/val.npz, built from the
            generated ids (not the text re-tokenised: data/stats.json counts the rows that would
            differ), with the teacher arrays. A reply cut by the length cap has no end: its row
@@ -192,6 +195,10 @@ def stage_prompts(run):
     c = run.cfg
     sizes = (c["seed"], c["n_train"], c["n_heldout"], c["n_human"], c["n_chat"])
     out = run.data("prompts.json")
+    rows = committed_rows(run)
+    if rows:  # the prompts the committed replies answer, whatever this Python would build
+        key = digest("prompts", "committed", ("file", os.path.join(rows, "prompts.json")))
+        return run.stage("prompts", key, [out], lambda: shutil.copyfile(os.path.join(rows, "prompts.json"), out))
     key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"))
     run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes)))
 
@@ -204,6 +211,12 @@ def stage_replies(run):
     c = run.cfg
     out = [run.data(f"{s}.jsonl") for s in REPLY_SPLITS]
     out += [run.data(f"{s}_teacher.npz") for s in TEACHER_SPLITS]
+    rows = committed_rows(run)
+    if rows:  # replies made once and committed: only the teacher is computed again
+        key = digest("replies", "committed", c["teacher_k"], *[("file", os.path.join(rows, f"{s}.jsonl"))
+                                                              for s in REPLY_SPLITS],
+                     ("file", "model.py"), ("code", import_rows), ("code", teacher_topk))
+        return run.stage("replies", key, out, lambda: import_rows(run, rows))
     key = digest("replies", c["max_new_tokens"], c["gen_batch"], c["max_prompt_tokens"], c["teacher_k"],
                  c.get("reply_temperature", 0.0), ("file", run.data("prompts.json")),
                  ("file", os.path.join(BASE_DIR, "model.safetensors")), *[("file", f) for f in DECODING],
@@ -212,6 +225,68 @@ def stage_replies(run):
 
 
 TEACHER_SPLITS = ("train", "heldout")  # the rows train.py reads (train.npz, val.npz)
+
+# ----------------------------------------------------------------------------- committed rows
+COMMITTED = os.path.join("results", "real_model", "data")  # rows made once, kept in git (text)
+
+
+def rows_settings(run):
+    """What a run's replies depend on, besides the code that made them: committed rows are
+    used by a run whose settings these are, made by whatever commit meta.json names."""
+    c = run.cfg
+    return {"sizes": [c["seed"], c["n_train"], c["n_heldout"], c["n_human"], c["n_chat"]],
+            "max_new_tokens": c["max_new_tokens"], "gen_batch": c["gen_batch"],
+            "max_prompt_tokens": c["max_prompt_tokens"], "reply_temperature": c.get("reply_temperature", 0.0),
+            "base": GGUF}
+
+
+def committed_rows(run):
+    """results/real_model/data/NAME (NAME = shared_data or the run's name) when it holds rows
+    made with this run's settings (`--export-rows` wrote it), else None. Rows of other settings
+    are not used: the run makes its own, and says why."""
+    d = os.path.join(COMMITTED, run.cfg.get("shared_data") or run.name)
+    meta_path = os.path.join(d, "meta.json")
+    if not os.path.isfile(meta_path):
+        return None
+    meta = json.load(open(meta_path))
+    if meta.get("settings") != rows_settings(run):
+        print(f"[rows] {d} holds rows of other settings ({meta.get('settings')}): not used", flush=True)
+        return None
+    return d
+
+
+def import_rows(run, d):
+    """The committed replies into the run's data dir, and the teacher arrays computed again from
+    them (teacher_topk: one teacher-forced forward per train / held-out row)."""
+    model, tok = open_model(BASE_DIR, run)
+    tail = template_tail(tok)
+    for split in REPLY_SPLITS:
+        rows = [json.loads(line) for line in open(os.path.join(d, f"{split}.jsonl"))]
+        if split in TEACHER_SPLITS:
+            progress, per_row = Progress(f"replies: {split} teacher", len(rows), "rows"), []
+            for r in rows:
+                per_row.append(teacher_topk(model, r["prompt_ids"], r["reply_ids"] + (tail if r["finished"] else []),
+                                            run.cfg["teacher_k"]))
+                if len(per_row) % 100 == 0 or len(per_row) == len(rows):
+                    progress(len(per_row))
+            save_teacher(run.data(f"{split}_teacher.npz"), per_row)
+        shutil.copyfile(os.path.join(d, f"{split}.jsonl"), run.data(f"{split}.jsonl"))
+
+
+def export_rows(run):
+    """--export-rows: the run's prompts and replies (text and ids, not the teacher arrays) into
+    results/real_model/data/NAME with meta.json (the settings, the commit, the counts), for git."""
+    d = os.path.join(COMMITTED, run.cfg.get("shared_data") or run.name)
+    os.makedirs(d, exist_ok=True)
+    for name in ("prompts.json", *[f"{s}.jsonl" for s in REPLY_SPLITS]):
+        shutil.copyfile(run.data(name), os.path.join(d, name + ".tmp"))
+        os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    counts = {s: sum(1 for _ in open(run.data(f"{s}.jsonl"))) for s in REPLY_SPLITS}
+    write_json(os.path.join(d, "meta.json"), {"settings": rows_settings(run), "made_by_commit": commit or None,
+                                               "rows": counts, "replies_key": run.manifest["replies"]["key"]})
+    print(f"[rows] exported {counts} to {d}", flush=True)
+
 
 
 def make_replies(run, key):
@@ -1079,6 +1154,8 @@ def main(argv=None):
     ap.add_argument("--config", default="cpu", help="cpu, gpu, or a JSON file like configs/smollm2-cpu.json")
     ap.add_argument("--smoke", action="store_true", help="a few prompts, 2 steps, a tiny evaluation")
     ap.add_argument("--until", choices=STAGES, help="stop after this stage")
+    ap.add_argument("--export-rows", action="store_true", help="make the replies (stages up to replies), "
+                    "then copy them into results/real_model/data/NAME for git, and stop")
     a = ap.parse_args(argv)
     path, full, cfg = load_config(a.config, a.smoke)
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
@@ -1090,6 +1167,8 @@ def main(argv=None):
     for stage in (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_ar_sft,
                   stage_eval, stage_results):
         stage(run)
+        if a.export_rows and stage is stage_replies:
+            return export_rows(run)
         if a.until and stage.__name__ == f"stage_{a.until}":
             break
 

@@ -1,20 +1,24 @@
-"""The real-model pipeline's pure parts (scripts/real_model.py, data/prompts.py), no model needed:
+"""The real-model pipeline's pure parts (scripts/real_model.py, data/prompts.py), no real model needed:
 prompts are deterministic and their splits disjoint by coarse source group (near-duplicate
 modules and sibling paragraphs on one side), the agreement metrics equal a brute-force count,
 the rows whose generated ids differ from their text re-tokenised are counted exactly, the
 timing interleaves warmed-up decoders, the bootstrap interval is the percentile rule, a stage
-is skipped exactly when its key matches (and its key follows the code it runs), and a
-training checkpoint is filed under its own step."""
+is skipped exactly when its key matches (and its key follows the code it runs), a
+training checkpoint is filed under its own step, and committed rows go out and come back
+(the teacher recomputed equal to HF's on a tiny model)."""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
+from conftest import make_hf_model
 
 from data import prompts as P
 from data.bpe import train_bpe
 from decoding import Generation
+from model import Qwen2
 from scripts import real_model as R
 from tokenizer import Tokenizer
 
@@ -186,3 +190,50 @@ def test_summary_has_exactly_the_issue_keys_as_floats(tmp_path, monkeypatch):
     assert set(s) == SUMMARY_KEYS and all(isinstance(v, float) for v in s.values())
     assert s["human_nll_change_chat"] == 2.02 / 2.0 - 1 and s["ar_sft_kl_base_replies"] == 0.2
     assert s["train_rows_distinct"] == 2000.0  # 250 x 8 rows drawn, each once (fewer than the 2054 rows)
+
+
+def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
+    """--export-rows copies a run's prompts and replies into results/real_model/data/NAME with
+    their settings; a run of the same settings imports them (the same bytes) and computes the
+    teacher arrays again, which equal HF's top-k of the same rows; other settings are refused."""
+    monkeypatch.chdir(tmp_path)
+    hf = make_hf_model(tmp_path / "base")
+    cfg = {"results_dir": "r", "seed": 0, "n_train": 2, "n_heldout": 1, "n_human": 1, "n_chat": 1,
+           "max_new_tokens": 4, "gen_batch": 2, "max_prompt_tokens": 16, "teacher_k": 3,
+           "shared_data": "rows", "device": "cpu", "dtype": "float32"}
+    run = R.Run("a", cfg, "a.json", {}, smoke=False)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(0, 200, (n,), generator=g).tolist()
+    rows = {s: [{"id": f"{s}-{i}", "kind": "k", "finished": i % 2 == 0, "prompt_ids": rand(5 + i),
+                 "reply_ids": rand(3 + i), "messages": []} for i in range(n)]
+            for s, n in (("train", 2), ("heldout", 1), ("chat", 1))}
+    for s, rs in rows.items():
+        with open(run.data(f"{s}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    with open(run.data("prompts.json"), "w") as f:
+        json.dump({"train": []}, f)
+    run.manifest["replies"] = {"key": "k"}
+    R.export_rows(run)
+    d = os.path.join(R.COMMITTED, "rows")
+    assert R.committed_rows(run) == d
+    assert R.committed_rows(R.Run("b", {**cfg, "max_new_tokens": 5}, "b.json", {}, smoke=False)) is None
+    shutil.rmtree("out")
+    fresh = R.Run("a", cfg, "a.json", {}, smoke=False)
+    monkeypatch.setattr(R, "open_model", lambda path, run: (Qwen2.from_pretrained(str(tmp_path / "base")), None))
+    monkeypatch.setattr(R, "template_tail", lambda tok: [7])
+    R.import_rows(fresh, R.committed_rows(fresh))
+    for s in rows:
+        assert open(fresh.data(f"{s}.jsonl")).read() == open(os.path.join(d, f"{s}.jsonl")).read()
+    for s in R.TEACHER_SPLITS:
+        t = np.load(fresh.data(f"{s}_teacher.npz"))
+        for i, r in enumerate(rows[s]):
+            targets = r["reply_ids"] + ([7] if r["finished"] else [])
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([r["prompt_ids"] + targets])).logits[0], -1)
+            logp = logp[len(r["prompt_ids"]) - 1:-1]  # output i-1 predicts target i
+            top = logp.topk(3, -1)
+            a, b = t["t_offsets"][i], t["t_offsets"][i + 1]
+            assert np.array_equal(t["t_ids"][a:b], top.indices.numpy())
+            assert np.allclose(t["t_logp"][a:b].astype(np.float32), top.values.numpy(), rtol=1e-3, atol=1e-4)  # stored as float16: 4.9e-4 relative
+            rest = 1 - top.values.exp().sum(-1)
+            assert np.allclose(t["t_rest"][a:b], rest.numpy(), atol=1e-5)
