@@ -433,19 +433,20 @@ def _weight_files(path):
 
 def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     """Give every fp32 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
-    (torch.ops.mkldnn, the blocked layout torch.compile's CPU freezing uses); in place,
-    returns the model. checkpoint.load_checkpoint (the decoders' opener) calls it. `rows` is
-    the row count oneDNN picks its layout for; any row count then runs on it.
+    (torch.ops.mkldnn: the ops torch.compile's CPU weight prepacking uses when the row count is
+    not known in advance); in place, returns the model. checkpoint.load_checkpoint (the
+    decoders' opener) calls it. `rows` is the row count oneDNN picks its layout for; any row
+    count then runs on it.
 
-    Why: for the 1-20 rows of a decoding step, MKL's sgemm through F.linear packs the weight
-    again at every call, and 4-9 rows cost 1.3-2x one row; from the packed copy they cost
-    about one row's time, and one row less than F.linear's (SmolLM2-135M, 2 CPU threads:
-    results/SPEED.md, issue 22). Nothing else changes: the Parameters, their names, values and
-    the head/embedding tie stay, training and gradients use F.linear (`Linear.forward`), and a
-    weight changed in place after packing is read through F.linear again. The price is a
-    second copy of every weight matrix in memory (the tied head's too). Packed in fp32 only, on
-    the CPU only, where this torch has oneDNN; anything else is left as it is. Results differ
-    from F.linear's by fp32 rounding (another summation order): tests/test_fast_paths.py."""
+    Why: for the 1-20 rows of a decoding step, MKL's sgemm through F.linear takes 1.3-2x one
+    row's time at 4-9 rows; from the packed copy 4-9 rows cost about what one row does, and
+    one row less than through F.linear (SmolLM2-135M, 2 CPU threads: results/SPEED.md, issue
+    22). Nothing else changes: the Parameters, their names, values and the head/embedding tie
+    stay, training and gradients use F.linear (`Linear.forward`), and a weight changed after
+    packing is read through F.linear again. The price is a second copy of every weight matrix
+    in memory (the tied head's too). Packed in fp32 only, on the CPU only, where this torch has
+    oneDNN; anything else is left as it is. Results differ from F.linear's by fp32 rounding
+    (another summation order): tests/test_fast_paths.py."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
     with torch.no_grad():
