@@ -119,7 +119,7 @@ def profile(decs, tok, model, mask_id):
         f = run["forwards"]
         cat = dict(linears=0.0, head=0.0, attn=0.0, other=0.0, syncs=0)
         for e in p.key_averages(group_by_input_shape=True):
-            if e.key in ("aten::mm", "aten::addmm"):  # the head's matmul has V output columns
+            if e.key in ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"):  # the head's has V columns
                 head = any(V in shape for shape in e.input_shapes if shape)
                 cat["head" if head else "linears"] += e.self_cpu_time_total
             elif "scaled_dot_product" in e.key:

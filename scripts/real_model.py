@@ -264,6 +264,7 @@ def import_rows(run, d):
         rows = [json.loads(line) for line in open(os.path.join(d, f"{split}.jsonl"))]
         if split in TEACHER_SPLITS:
             progress, per_row = Progress(f"replies: {split} teacher", len(rows), "rows"), []
+            progress(0)  # the rate (and the ETA) counts from here
             for r in rows:
                 per_row.append(teacher_topk(model, r["prompt_ids"], r["reply_ids"] + (tail if r["finished"] else []),
                                             run.cfg["teacher_k"]))
