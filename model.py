@@ -453,7 +453,8 @@ def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
         for module in model.modules():
             w = module.weight if isinstance(module, Linear) else None
             if w is not None and w.dtype == torch.float32 and w.is_cpu:
-                module.packed = (_weight_key(w), torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows))
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+                module.packed = (_weight_key(w), packed)
     return model
 
 

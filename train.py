@@ -88,9 +88,10 @@ def row_t_weights(S, stage, step, slot, n, device):
 def keep_mask_row(model, mask_id):
     """freeze_vocab (beyond the paper), after every backward: zero the embedding's (and a tied
     head's) gradient outside the mask token's row, the one row MARS gives a new use (§2); an
-    untied head takes no gradient at all (build_model). Why: from the first step AdamW moves
-    every row of the head by about lr per entry, whatever the gradient's size, and every AR
-    logit with it (issue 21)."""
+    untied head takes no gradient at all (build_model). The idea: from the first step AdamW
+    moves every row of the head by about lr per entry, whatever the gradient's size, and every
+    AR logit with it. Measured on SmolLM2 (issue 21, results/real_model/PLAN.md), it did not
+    hold the AR path: L_AR moved as without it, through the layers."""
     g = model.model.embed_tokens.weight.grad
     if g is not None:
         g[:mask_id].zero_()

@@ -143,7 +143,8 @@ def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
     packed = {id(m): pack_for_decoding(m).packed for m in linears}  # a module packs like a model
     layers = [m for m in linears if m is not model.lm_head]
     print("matmuls of one forward, wall ms (median of interleaved rounds): layers' linears | LM head")
-    print(f"  {'rows':>4} {'F.linear':>9} {'packed':>7} {'ratio':>6} | {'F.linear':>9} {'packed':>7} {'ratio':>6}")
+    half = f"{'F.linear':>9} {'packed':>7} {'ratio':>6}"
+    print(f"  {'rows':>4} {half} | {half}")
     for M in rows:
         times = {(ws, way): [] for ws in ("layers", "head") for way in ("F.linear", "packed")}
         for _ in range(rounds):

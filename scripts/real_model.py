@@ -198,7 +198,8 @@ def stage_prompts(run):
     rows = committed_rows(run)
     if rows:  # the prompts the committed replies answer, whatever this Python would build
         key = digest("prompts", "committed", ("file", os.path.join(rows, "prompts.json")))
-        return run.stage("prompts", key, [out], lambda: shutil.copyfile(os.path.join(rows, "prompts.json"), out))
+        src = os.path.join(rows, "prompts.json")
+        return run.stage("prompts", key, [out], lambda: shutil.copyfile(src, out))
     key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"))
     run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes)))
 
@@ -213,14 +214,15 @@ def stage_replies(run):
     out += [run.data(f"{s}_teacher.npz") for s in TEACHER_SPLITS]
     rows = committed_rows(run)
     if rows:  # replies made once and committed: only the teacher is computed again
-        key = digest("replies", "committed", c["teacher_k"], *[("file", os.path.join(rows, f"{s}.jsonl"))
-                                                              for s in REPLY_SPLITS],
-                     ("file", "model.py"), ("code", import_rows), ("code", teacher_topk))
+        files = [("file", os.path.join(rows, f"{s}.jsonl")) for s in REPLY_SPLITS]
+        key = digest("replies", "committed", c["teacher_k"], *files, ("file", "model.py"),
+                     ("code", import_rows), ("code", row_teacher), ("code", teacher_topk))
         return run.stage("replies", key, out, lambda: import_rows(run, rows))
     key = digest("replies", c["max_new_tokens"], c["gen_batch"], c["max_prompt_tokens"], c["teacher_k"],
                  c.get("reply_temperature", 0.0), ("file", run.data("prompts.json")),
                  ("file", os.path.join(BASE_DIR, "model.safetensors")), *[("file", f) for f in DECODING],
-                 ("code", make_replies), ("code", reply_chunk), ("code", reply_row), ("code", teacher_topk))
+                 ("code", make_replies), ("code", reply_chunk), ("code", reply_row), ("code", row_teacher),
+                 ("code", teacher_topk))
     run.stage("replies", key, out, lambda: make_replies(run, key))
 
 
@@ -266,8 +268,7 @@ def import_rows(run, d):
             progress, per_row = Progress(f"replies: {split} teacher", len(rows), "rows"), []
             progress(0)  # the rate (and the ETA) counts from here
             for r in rows:
-                per_row.append(teacher_topk(model, r["prompt_ids"], r["reply_ids"] + (tail if r["finished"] else []),
-                                            run.cfg["teacher_k"]))
+                per_row.append(row_teacher(model, r, tail, run.cfg["teacher_k"]))
                 if len(per_row) % 100 == 0 or len(per_row) == len(rows):
                     progress(len(per_row))
             save_teacher(run.data(f"{split}_teacher.npz"), per_row)
@@ -282,10 +283,11 @@ def export_rows(run):
     for name in ("prompts.json", *[f"{s}.jsonl" for s in REPLY_SPLITS]):
         shutil.copyfile(run.data(name), os.path.join(d, name + ".tmp"))
         os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     counts = {s: sum(1 for _ in open(run.data(f"{s}.jsonl"))) for s in REPLY_SPLITS}
-    write_json(os.path.join(d, "meta.json"), {"settings": rows_settings(run), "made_by_commit": commit or None,
-                                               "rows": counts, "replies_key": run.manifest["replies"]["key"]})
+    meta = {"settings": rows_settings(run), "made_by_commit": git.stdout.strip() or None, "rows": counts,
+            "replies_key": run.manifest["replies"]["key"]}
+    write_json(os.path.join(d, "meta.json"), meta)
     print(f"[rows] exported {counts} to {d}", flush=True)
 
 
@@ -334,8 +336,7 @@ def reply_chunk(run, model, tok, split, i, items, ck):
     rows = [reply_row(tok, p, g.ids, pid) for p, g, pid in zip(items, gens, ids)]
     if split in TEACHER_SPLITS:
         tail = template_tail(tok)
-        per_row = [teacher_topk(model, r["prompt_ids"], r["reply_ids"] + (tail if r["finished"] else []),
-                                c["teacher_k"]) for r in rows]
+        per_row = [row_teacher(model, r, tail, c["teacher_k"]) for r in rows]
         save_teacher(run.data("replies", f"{split}_{i:04d}.npz"), per_row)
     write_json(run.data("replies", f"{split}_{i:04d}.json"), {"key": ck, "rows": rows}, indent=None)
 
@@ -370,6 +371,12 @@ def teacher_topk(model, prompt_ids, targets, k):
     top = logp.topk(k, -1)
     rest = torch.logsumexp(logp.scatter(1, top.indices, float("-inf")), -1).exp()
     return (top.values.half().cpu().numpy(), top.indices.int().cpu().numpy(), rest.cpu().numpy())
+
+
+def row_teacher(model, row, tail, k):
+    """teacher_topk of a reply row: every reply token is a target, and a finished reply's template
+    tail after its <|im_end|> too (it carries loss, §2)."""
+    return teacher_topk(model, row["prompt_ids"], row["reply_ids"] + (tail if row["finished"] else []), k)
 
 
 def save_teacher(path, per_row):

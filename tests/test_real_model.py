@@ -219,7 +219,8 @@ def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
     assert R.committed_rows(R.Run("b", {**cfg, "max_new_tokens": 5}, "b.json", {}, smoke=False)) is None
     shutil.rmtree("out")
     fresh = R.Run("a", cfg, "a.json", {}, smoke=False)
-    monkeypatch.setattr(R, "open_model", lambda path, run: (Qwen2.from_pretrained(str(tmp_path / "base")), None))
+    base = Qwen2.from_pretrained(str(tmp_path / "base"))
+    monkeypatch.setattr(R, "open_model", lambda path, run: (base, None))
     monkeypatch.setattr(R, "template_tail", lambda tok: [7])
     R.import_rows(fresh, R.committed_rows(fresh))
     for s in rows:
@@ -234,6 +235,7 @@ def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
             top = logp.topk(3, -1)
             a, b = t["t_offsets"][i], t["t_offsets"][i + 1]
             assert np.array_equal(t["t_ids"][a:b], top.indices.numpy())
-            assert np.allclose(t["t_logp"][a:b].astype(np.float32), top.values.numpy(), rtol=1e-3, atol=1e-4)  # stored as float16: 4.9e-4 relative
+            # stored as float16: 4.9e-4 relative
+            assert np.allclose(t["t_logp"][a:b].astype(np.float32), top.values.numpy(), rtol=1e-3, atol=1e-4)
             rest = 1 - top.values.exp().sum(-1)
             assert np.allclose(t["t_rest"][a:b], rest.numpy(), atol=1e-5)
