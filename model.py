@@ -169,11 +169,15 @@ class Linear(nn.Linear):
     no in-place change since): otherwise, and always in training, this is F.linear."""
 
     packed = None  # (weight key, packed tensor), set by pack_for_decoding
+    # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
+    # copy serves decoding steps' few rows only (a bounded set); prefills and teacher-forced
+    # forwards of any length take F.linear, whose cost per row is low there anyway
+    packed_max_rows = 64
 
     def forward(self, x):
         p = self.packed
         if p is not None and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.is_cpu \
-                and p[0] == _weight_key(self.weight):
+                and x.numel() <= self.packed_max_rows * x.shape[-1] and p[0] == _weight_key(self.weight):
             return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -444,7 +448,9 @@ def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     22). Nothing else changes: the Parameters, their names, values and the head/embedding tie
     stay, training and gradients use F.linear (`Linear.forward`), and a weight changed after
     packing is read through F.linear again. The price is a second copy of every weight matrix
-    in memory (the tied head's too). Packed in fp32 only, on the CPU only, where this torch has
+    in memory (the tied head's too), and oneDNN's buffers for each row count it has run (about
+    220 MB for SmolLM2 at 1-64 rows; `Linear.packed_max_rows` caps it: larger forwards take
+    F.linear). Packed in fp32 only, on the CPU only, where this torch has
     oneDNN; anything else is left as it is. Results differ from F.linear's by fp32 rounding
     (another summation order): tests/test_fast_paths.py."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):

@@ -197,8 +197,8 @@ def test_pack_for_decoding_keeps_every_name_value_and_the_tie(tmp_path):
 
 
 def test_packed_copy_is_read_when_decoding_only_and_while_the_weight_is_unchanged():
-    """Linear.forward reads the packed copy under no_grad only, and only while the weight is
-    the one it was packed from. Shown with a copy packed from other values (zeros, under the
+    """Linear.forward reads the packed copy under no_grad only, for at most packed_max_rows rows,
+    and only while the weight is the one it was packed from. Shown with a copy packed from other values (zeros, under the
     weight's key): it gives the bias alone where it is read, F.linear's output where not."""
     torch.manual_seed(0)
     lin, x = Linear(16, 8), torch.randn(3, 16)
@@ -208,6 +208,9 @@ def test_packed_copy_is_read_when_decoding_only_and_while_the_weight_is_unchange
     with torch.no_grad():
         assert torch.equal(lin(x), lin.bias.expand(3, 8))  # decoding: the packed copy
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # gradients wanted: F.linear
+    many = torch.randn(lin.packed_max_rows + 1, 16)  # more rows than a decoding step: F.linear
+    with torch.no_grad():
+        assert torch.equal(lin(many), F.linear(many, lin.weight, lin.bias))
     with torch.no_grad():
         lin.weight.add_(0.5)  # an in-place change (an optimizer step): the copy is stale
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
