@@ -198,8 +198,9 @@ def test_pack_for_decoding_keeps_every_name_value_and_the_tie(tmp_path):
 
 def test_packed_copy_is_read_when_decoding_only_and_while_the_weight_is_unchanged():
     """Linear.forward reads the packed copy under no_grad only, for at most packed_max_rows rows,
-    and only while the weight is the one it was packed from. Shown with a copy packed from other values (zeros, under the
-    weight's key): it gives the bias alone where it is read, F.linear's output where not."""
+    and only while the weight is the one it was packed from. Shown with a copy packed from other
+    values (zeros, under the weight's key): it gives the bias alone where it is read, F.linear's
+    output where not."""
     torch.manual_seed(0)
     lin, x = Linear(16, 8), torch.randn(3, 16)
     pack_for_decoding(lin)
