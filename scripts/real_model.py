@@ -265,13 +265,20 @@ def import_rows(run, d):
     for split in REPLY_SPLITS:
         rows = [json.loads(line) for line in open(os.path.join(d, f"{split}.jsonl"))]
         if split in TEACHER_SPLITS:
-            progress, per_row = Progress(f"replies: {split} teacher", len(rows), "rows"), []
+            k, progress = run.cfg["teacher_k"], Progress(f"replies: {split} teacher", len(rows), "rows")
             progress(0)  # the rate (and the ETA) counts from here
-            for r in rows:
-                per_row.append(row_teacher(model, r, tail, run.cfg["teacher_k"]))
-                if len(per_row) % 100 == 0 or len(per_row) == len(rows):
-                    progress(len(per_row))
-            save_teacher(run.data(f"{split}_teacher.npz"), per_row)
+            # filled in place: thousands of small arrays kept between the forwards' large
+            # temporaries fragment the heap (the process grew by GBs)
+            n = [len(r["reply_ids"]) + (len(tail) if r["finished"] else 0) for r in rows]
+            off = np.concatenate([[0], np.cumsum(n, dtype=np.int64)])
+            arrays = {"t_logp": np.zeros((off[-1], k), np.float16), "t_ids": np.zeros((off[-1], k), np.int32),
+                      "t_rest": np.zeros(off[-1], np.float32), "t_offsets": off}
+            for i, r in enumerate(rows):
+                for name, a in zip(("t_logp", "t_ids", "t_rest"), row_teacher(model, r, tail, k)):
+                    arrays[name][off[i]:off[i + 1]] = a
+                if (i + 1) % 100 == 0 or i + 1 == len(rows):
+                    progress(i + 1)
+            atomic_write(run.data(f"{split}_teacher.npz"), lambda f, a=arrays: np.savez(f, **a), "wb")
         shutil.copyfile(os.path.join(d, f"{split}.jsonl"), run.data(f"{split}.jsonl"))
 
 
