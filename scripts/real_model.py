@@ -197,9 +197,9 @@ def stage_prompts(run):
     out = run.data("prompts.json")
     rows = committed_rows(run)
     if rows:  # the prompts the committed replies answer, whatever this Python would build
-        key = digest("prompts", "committed", ("file", os.path.join(rows, "prompts.json")))
         src = os.path.join(rows, "prompts.json")
-        return run.stage("prompts", key, [out], lambda: shutil.copyfile(src, out))
+        return run.stage("prompts", digest("prompts", "committed", ("file", src)), [out],
+                         lambda: copy_atomic(src, out))
     key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"))
     run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes)))
 
@@ -232,6 +232,19 @@ TEACHER_SPLITS = ("train", "heldout")  # the rows train.py reads (train.npz, val
 COMMITTED = os.path.join("results", "real_model", "data")  # rows made once, kept in git (text)
 
 
+def committed_dir(run):
+    """results/real_model/data/NAME: where a run's rows are committed (NAME as in Run.data)."""
+    return os.path.join(COMMITTED, run.cfg.get("shared_data") or run.name)
+
+
+def copy_atomic(src, dst):
+    """Copy src to dst through dst.tmp and a rename (util.atomic): a killed copy leaves no half file
+    under a stage's output name."""
+    with open(src, "rb") as f:
+        data = f.read()
+    atomic_write(dst, lambda out: out.write(data), "wb")
+
+
 def rows_settings(run):
     """What a run's replies depend on, besides the code that made them: committed rows are
     used by a run whose settings these are, made by whatever commit meta.json names."""
@@ -246,7 +259,7 @@ def committed_rows(run):
     """results/real_model/data/NAME (NAME = shared_data or the run's name) when it holds rows
     made with this run's settings (`--export-rows` wrote it), else None. Rows of other settings
     are not used: the run makes its own, and says why."""
-    d = os.path.join(COMMITTED, run.cfg.get("shared_data") or run.name)
+    d = committed_dir(run)
     meta_path = os.path.join(d, "meta.json")
     if not os.path.isfile(meta_path):
         return None
@@ -279,17 +292,16 @@ def import_rows(run, d):
                 if (i + 1) % 100 == 0 or i + 1 == len(rows):
                     progress(i + 1)
             atomic_write(run.data(f"{split}_teacher.npz"), lambda f, a=arrays: np.savez(f, **a), "wb")
-        shutil.copyfile(os.path.join(d, f"{split}.jsonl"), run.data(f"{split}.jsonl"))
+        copy_atomic(os.path.join(d, f"{split}.jsonl"), run.data(f"{split}.jsonl"))
 
 
 def export_rows(run):
     """--export-rows: the run's prompts and replies (text and ids, not the teacher arrays) into
     results/real_model/data/NAME with meta.json (the settings, the commit, the counts), for git."""
-    d = os.path.join(COMMITTED, run.cfg.get("shared_data") or run.name)
+    d = committed_dir(run)
     os.makedirs(d, exist_ok=True)
     for name in ("prompts.json", *[f"{s}.jsonl" for s in REPLY_SPLITS]):
-        shutil.copyfile(run.data(name), os.path.join(d, name + ".tmp"))
-        os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+        copy_atomic(run.data(name), os.path.join(d, name))
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     counts = {s: sum(1 for _ in open(run.data(f"{s}.jsonl"))) for s in REPLY_SPLITS}
     meta = {"settings": rows_settings(run), "made_by_commit": git.stdout.strip() or None, "rows": counts,
