@@ -1103,6 +1103,36 @@ Evaluation: {ev['a_quality']['n']} held-out test prompts, {c['n_val']} validatio
 """
 
 
+PILOT_COLUMNS = ("kl_base_replies", "agreement_base_replies", "human_nll_change_chat",
+                 "human_nll_change_plain", "exact_tokens_per_forward_k2_batch1",
+                 "prompt_lookup_tokens_per_forward", "tau095_tokens_per_forward")
+
+
+def report_pilots(run):
+    """The pilots' table: one row per results_dir/pilots/NAME/summary.json (the AR-SFT baseline
+    of a pilot that ran one gets its own row), with the command that made it; a pilot folder
+    without a summary (stopped early) is listed as such."""
+    root = os.path.join(run.cfg["results_dir"], "pilots")
+    rows = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        cmd = f"`python -m scripts.real_model --config configs/smollm2-{name}.json`"
+        path = os.path.join(root, name, "summary.json")
+        if not os.path.isfile(path):
+            stopped = ["stopped early: no summary (see its log)"] + [""] * (len(PILOT_COLUMNS) - 1)
+            rows.append([name, cmd] + stopped)
+            continue
+        s = json.load(open(path))
+        rows.append([name, cmd] + [fmt(s[k]) for k in PILOT_COLUMNS])
+        if s.get("ar_sft_kl_base_replies") is not None:
+            rows.append([f"{name}: its AR-SFT baseline", cmd] +
+                        [fmt(s.get("ar_sft_" + k)) for k in PILOT_COLUMNS[:4]] + ["-"] * 3)
+    if not rows:
+        return "No pilot results under " + root + "."
+    return table(["pilot", "command", "KL base replies", "agreement base replies", "human NLL change chat",
+                  "human NLL change plain", "exact K = 2 tok/fwd", "HF prompt lookup tok/fwd",
+                  "tau = 0.95 tok/fwd"], rows)
+
+
 def report(run, ev, stats):
     """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
     cfg, e = run.cfg, ev["e_timing"]
@@ -1151,6 +1181,12 @@ K for the wall clock, chosen on the validation prompts (speed vs our AR): {e.get
 ## Learning curve (K = 2; step 0 is the base)
 
 {table(["step", "tokens/forward", "agreement", "KL", "NLL human (chat)", "val loss"], curve)}
+
+## Pilots (320 rows, 40 steps x 8; 16 test prompts): how the recipe was chosen
+
+{report_pilots(run)}
+
+Each pilot's page is `pilots/NAME/RESULTS.md`; what they taught is in [PLAN.md](PLAN.md).
 
 ## Targets (issue 21), reported as reached
 

@@ -4,8 +4,8 @@ modules and sibling paragraphs on one side), the agreement metrics equal a brute
 the rows whose generated ids differ from their text re-tokenised are counted exactly, the
 timing interleaves warmed-up decoders, the bootstrap interval is the percentile rule, a stage
 is skipped exactly when its key matches (and its key follows the code it runs), a
-training checkpoint is filed under its own step, and committed rows go out and come back
-(the teacher recomputed equal to HF's on a tiny model)."""
+training checkpoint is filed under its own step, the pilots' table has a row per pilot, and
+committed rows go out and come back (the teacher recomputed equal to HF's on a tiny model)."""
 
 import json
 import os
@@ -190,6 +190,29 @@ def test_summary_has_exactly_the_issue_keys_as_floats(tmp_path, monkeypatch):
     assert set(s) == SUMMARY_KEYS and all(isinstance(v, float) for v in s.values())
     assert s["human_nll_change_chat"] == 2.02 / 2.0 - 1 and s["ar_sft_kl_base_replies"] == 0.2
     assert s["train_rows_distinct"] == 2000.0  # 250 x 8 rows drawn, each once (fewer than the 2054 rows)
+
+
+def test_pilot_table_has_a_row_per_pilot_with_its_numbers(tmp_path):
+    """Every pilots/NAME/summary.json becomes a row with its own numbers and command, its AR-SFT
+    baseline a row of its own, and a pilot without a summary is marked stopped, not dropped."""
+    root = tmp_path / "pilots"
+    vals = {k: 0.1 * (i + 1) for i, k in enumerate(R.PILOT_COLUMNS)}
+    for name, extra in (("pilot-a", {}), ("pilot-b", {"ar_sft_kl_base_replies": 0.478,
+                                                      "ar_sft_agreement_base_replies": 0.87,
+                                                      "ar_sft_human_nll_change_chat": 0.214,
+                                                      "ar_sft_human_nll_change_plain": 0.095})):
+        os.makedirs(root / name)
+        summary = {**vals, "ar_sft_kl_base_replies": None, **extra}
+        (root / name / "summary.json").write_text(json.dumps(summary))
+    os.makedirs(root / "pilot-c")
+    run = R.Run.__new__(R.Run)
+    run.cfg = {"results_dir": str(tmp_path)}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in R.report_pilots(run).splitlines()[2:]]
+    assert [r[0] for r in rows] == ["pilot-a", "pilot-b", "pilot-b: its AR-SFT baseline", "pilot-c"]
+    assert rows[0][1] == "`python -m scripts.real_model --config configs/smollm2-pilot-a.json`"
+    assert rows[0][2:] == [f"{vals[k]:.3f}" for k in R.PILOT_COLUMNS]
+    assert rows[2][2:] == ["0.478", "0.870", "0.214", "0.095", "-", "-", "-"]
+    assert rows[3][2].startswith("stopped early")
 
 
 def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
