@@ -1133,6 +1133,15 @@ def report_pilots(run):
                   "tau = 0.95 tok/fwd"], rows)
 
 
+def k_choice(e):
+    """The wall clock's K and the validation speeds it was chosen by, as text."""
+    if not e or "k_choice" not in e:
+        return "not timed"
+    k = e["k_choice"]
+    speeds = ", ".join(f"{n} {v:.3f}x" for n, v in k["val_speed_vs_ar"].items())
+    return f"K = {k['drafts']} ({speeds})"
+
+
 def report(run, ev, stats):
     """RESULTS.md's text from the four evaluations' results (eval/*.json)."""
     cfg, e = run.cfg, ev["e_timing"]
@@ -1172,7 +1181,7 @@ replies made again here, in the evaluation's batches, against the replies stage'
 {table(["prompts", "model", "decoder", "tokens/forward", "identical to our AR"], tpf)}
 
 Exact mode's acceptance is per row, so its tokens per forward at batch {cfg['gen_batch']} is batch 1's.
-K for the wall clock, chosen on the validation prompts (speed vs our AR): {e.get('k_choice', 'not timed')}.
+K for the wall clock, chosen on the validation prompts by speed vs our AR: {k_choice(e)}.
 
 ## Wall clock ({cfg['timing_rounds']} interleaved rounds, all decoders warmed up, {cfg['n_timed']} prompts)
 
