@@ -1103,15 +1103,18 @@ Evaluation: {ev['a_quality']['n']} held-out test prompts, {c['n_val']} validatio
 """
 
 
-PILOT_COLUMNS = ("kl_base_replies", "agreement_base_replies", "human_nll_change_chat",
-                 "human_nll_change_plain", "exact_tokens_per_forward_k2_batch1",
-                 "prompt_lookup_tokens_per_forward", "tau095_tokens_per_forward")
+PILOT_COLUMNS = {"kl_base_replies": "KL base replies", "agreement_base_replies": "agreement base replies",
+                 "human_nll_change_chat": "human NLL change chat",
+                 "human_nll_change_plain": "human NLL change plain",
+                 "exact_tokens_per_forward_k2_batch1": "exact K = 2 tok/fwd",
+                 "prompt_lookup_tokens_per_forward": "HF prompt lookup tok/fwd",
+                 "tau095_tokens_per_forward": "tau = 0.95 tok/fwd"}  # summary key: column
 
 
 def report_pilots(run):
     """The pilots' table: one row per results_dir/pilots/NAME/summary.json (the AR-SFT baseline
-    of a pilot that ran one gets its own row), with the command that made it; a pilot folder
-    without a summary (stopped early) is listed as such."""
+    of a pilot that ran one gets its own row, from the summary's ar_sft_* keys), with the command
+    that made it; a pilot folder without a summary (stopped early) is listed as such."""
     root = os.path.join(run.cfg["results_dir"], "pilots")
     rows = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
@@ -1123,14 +1126,12 @@ def report_pilots(run):
             continue
         s = json.load(open(path))
         rows.append([name, cmd] + [fmt(s[k]) for k in PILOT_COLUMNS])
-        if s.get("ar_sft_kl_base_replies") is not None:
-            rows.append([f"{name}: its AR-SFT baseline", cmd] +
-                        [fmt(s.get("ar_sft_" + k)) for k in PILOT_COLUMNS[:4]] + ["-"] * 3)
+        if s.get("ar_sft_kl_base_replies") is not None:  # decoders are not measured for AR SFT: "-"
+            baseline = [fmt(s.get("ar_sft_" + k)) for k in PILOT_COLUMNS]
+            rows.append([f"{name}: its AR-SFT baseline", cmd] + baseline)
     if not rows:
         return "No pilot results under " + root + "."
-    return table(["pilot", "command", "KL base replies", "agreement base replies", "human NLL change chat",
-                  "human NLL change plain", "exact K = 2 tok/fwd", "HF prompt lookup tok/fwd",
-                  "tau = 0.95 tok/fwd"], rows)
+    return table(["pilot", "command", *PILOT_COLUMNS.values()], rows)
 
 
 def k_choice(e):
