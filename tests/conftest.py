@@ -126,6 +126,19 @@ def write_rows(path, n, seed):
     np.savez(path, ids=np.array(ids, np.int32), loss=np.array(loss, np.uint8), offsets=np.array(off))
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A prepared data directory for the train proofs (tests/test_train_*.py): 40 train rows,
+    8 val rows (write_rows) and a BPE tokenizer of 8 merges."""
+    from data.bpe import train_bpe
+
+    d = tmp_path_factory.mktemp("data")
+    write_rows(d / "train.npz", 40, 0)
+    write_rows(d / "val.npz", 8, 1)
+    train_bpe(["<|im_start|>user\nhello world<|im_end|>\n"], 8).save(d / "tokenizer")
+    return d
+
+
 def first_mid_step_token(steps):
     """A token whose first occurrence is accepted with more tokens after it in the same
     step -> (token, index in the output)."""
