@@ -1,8 +1,8 @@
-"""Proof for reproduce.py's shortcut: every MARS variant starts from ONE saved AR stage.
+"""Proof for scripts.reproduce's shortcut: every MARS variant starts from ONE saved AR stage.
 
-reproduce.py trains the AR stage once (ar_stage) and runs each MARS variant as
+scripts.reproduce trains the AR stage once (ar_stage) and runs each MARS variant as
 `train.py --init_from=<ar_stage>/ar --ar_steps=0`. Its docstring claims that mars_b4 is
-then what the default two-stage `python train.py` does. Proof: with reproduce.py's own
+then what the default two-stage `python train.py` does. Proof: with scripts.reproduce's own
 settings for the two runs, the final MARS weights and the logged MARS losses equal those
 of one uninterrupted two-stage run, bit for bit (CPU, one thread).
 """
@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 import train
 from data.bpe import train_bpe
-from scripts import reproduce
+from scripts.reproduce import __main__ as cli
+from scripts.reproduce import report, runs, training
 
 
 def test_mars_from_the_saved_ar_stage_equals_the_two_stage_run(tmp_path):
@@ -29,12 +30,12 @@ def test_mars_from_the_saved_ar_stage_equals_the_two_stage_run(tmp_path):
             "--intermediate=64", "--max_len=48", "--batch_size=8", "--micro_batch_size=4", "--lr=3e-3",
             "--log_interval=1", "--eval_interval=100", "--eval_at_end=false"]
     A, M, root = 4, 4, tmp_path / "root"
-    spec = {v["name"]: v for v in reproduce.variants(A, M, str(root))}
+    spec = {v["name"]: v for v in runs.variants(A, M, str(root))}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in ("ar_stage", "mars_b4"):  # reproduce.py's way, its settings
-            train.main(tiny + [reproduce.arg(k, x) for k, x in spec[name]["train"].items()]
+        for name in ("ar_stage", "mars_b4"):  # scripts.reproduce's way, its settings
+            train.main(tiny + [runs.arg(k, x) for k, x in spec[name]["train"].items()]
                        + [f"--out_dir={root / name}"])
         two = tmp_path / "two_stage"  # the default run's way
         train.main(tiny + [f"--ar_steps={A}", f"--mars_steps={M}", f"--out_dir={two}"])
@@ -56,9 +57,9 @@ def test_seeds_scheduling_failure_and_verdicts(tmp_path, monkeypatch):
     train_all starts every AR stage before the MARS runs that wait for it, and a failure stops
     the queue: nothing starts after it and the failure is raised. The claims' rule: a verdict
     only from non-overlapping min–max ranges of at least two seeds each."""
-    a = reproduce.parse_args(["--seeds", "0,1", "--jobs", "1", "--results", str(tmp_path / "r"),
-                              "--out", str(tmp_path / "o"), "--only", "mars_b4,ar_sft"])
-    P, vs = reproduce.plan(a)
+    a = cli.parse_args(["--seeds", "0,1", "--jobs", "1", "--results", str(tmp_path / "r"),
+                        "--out", str(tmp_path / "o"), "--only", "mars_b4,ar_sft"])
+    P, vs = runs.plan(a)
     (tmp_path / "r" / "runs").mkdir(parents=True)
     assert [v["key"] for v in vs] == ["ar_stage.s0", "mars_b4.s0", "ar_sft.s0",
                                       "ar_stage.s1", "mars_b4.s1", "ar_sft.s1"]
@@ -72,19 +73,19 @@ def test_seeds_scheduling_failure_and_verdicts(tmp_path, monkeypatch):
             raise SystemExit("ar_stage.s1: training failed")
         return {"name": v["name"], "seed": v["seed"], "results": {"1.0": {"accuracy": 1.0}}}
 
-    monkeypatch.setattr(reproduce, "run_variant", fake)
+    monkeypatch.setattr(training, "run_variant", fake)
     with pytest.raises(SystemExit, match="ar_stage.s1: training failed"):
-        reproduce.train_all(a, P, vs, lambda: "")
+        training.train_all(a, P, vs, lambda: "")
     assert started == ["ar_stage.s0", "ar_stage.s1"]  # the AR stages first; nothing after the failure
     started.clear()
-    monkeypatch.setattr(reproduce, "run_variant", lambda v, *_: started.append(v["key"]) or
+    monkeypatch.setattr(training, "run_variant", lambda v, *_: started.append(v["key"]) or
                         {"name": v["name"], "seed": v["seed"], "results": {}})
-    got = reproduce.train_all(a, P, vs, lambda: "")
+    got = training.train_all(a, P, vs, lambda: "")
     assert started[:2] == ["ar_stage.s0", "ar_stage.s1"] and sorted(got) == sorted(v["key"] for v in vs)
-    assert reproduce.compare([3.0, 4.0], [1.0, 2.5]) == "higher"
-    assert reproduce.compare([1.0, 2.0], [2.5, 3.0]) == "lower"
-    assert reproduce.compare([1.0, 3.0], [2.0, 4.0]) == "within the spread"
-    assert reproduce.compare([97.0], [96.0]) == "one seed: no verdict"
-    assert reproduce.fmt([1.0, 2.0, 6.0]) == "3.0 (1.0–6.0)" and reproduce.fmt([]) == "–"
+    assert report.compare([3.0, 4.0], [1.0, 2.5]) == "higher"
+    assert report.compare([1.0, 2.0], [2.5, 3.0]) == "lower"
+    assert report.compare([1.0, 3.0], [2.0, 4.0]) == "within the spread"
+    assert report.compare([97.0], [96.0]) == "one seed: no verdict"
+    assert report.fmt([1.0, 2.0, 6.0]) == "3.0 (1.0–6.0)" and report.fmt([]) == "–"
     with pytest.raises(SystemExit, match="must include 1"):
-        reproduce.plan(reproduce.parse_args(["--taus", "0.9"]))
+        runs.plan(cli.parse_args(["--taus", "0.9"]))
