@@ -19,6 +19,9 @@ Claims, each against an independent reference:
     fresh prefill of the row's tokens, and a generating row has lengths = prompt +
     emitted - 1 (the pending c_0 is emitted, not cached);
   * EOS mid-step and max_new_tokens; bad settings are refused.
+Every HF greedy path compared token for token, and every argmax and threshold the written-out
+algorithm's counts read, is asserted far from a tie (tests/greedy_margin.py); the packed cases
+assert that the weights were packed.
 """
 
 
@@ -28,24 +31,41 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import first_mid_step_token, hf_greedy, make_hf_model
+from greedy_margin import GAP, assert_no_near_tie, top2_gap
 
 import exact
 from decoding import pad_rows
 from exact import exact_steps, generate_exact, step_input
 from kvcache import KVCache
 from mars import exact_attention_mask
-from model import Qwen2, pack_for_decoding
+from model import Linear, Qwen2, pack_for_decoding
 
 PROMPTS = [[5, 1, 6, 3, 4], [1, 2, 3, 4, 5, 6, 0, 1, 2], [4, 2]]  # ids < 7: valid in both vocabularies
 N_NEW = 24
 SETTINGS = [(K, B) for B in (4, 8) for K in (1, 2, 4)]
+DRAFT_MARGIN = 1e-4  # |p - draft threshold|: fp32 logits differ by <= 5.4e-6, p so by < 1.1e-5 (9x)
 
 
 
 def load(path, **cfg):
-    """(HF reference, our model, mask id) with the same random weights; the last id plays <|mask|>."""
+    """(HF reference, our model, mask id) with the same random weights; the last id plays <|mask|>.
+    HF's greedy paths of PROMPTS, as long as any test reads them (the oracle's), have no near-tie
+    (greedy_margin): a token-for-token mismatch with them is a bug, not fp32 rounding."""
     hf = make_hf_model(path, seed=0, **cfg)
+    assert_no_near_tie(hf, PROMPTS, [hf_greedy(hf, [p], N_NEW + 10)[0] for p in PROMPTS])
     return hf, Qwen2.from_pretrained(str(path)).eval(), hf.config.vocab_size - 1
+
+
+def packed(pair):
+    """The pair with its model's weights packed for decoding (model.pack_for_decoding, as
+    checkpoint.load_checkpoint opens a model): fp32 oneDNN matmuls, the decoders unchanged.
+    Asserts every Linear got its packed copy (as tests/test_fast_paths.py does): on a torch
+    without oneDNN these cases would otherwise repeat the plain ones and claim what they did not run."""
+    hf, model, mask_id = pair
+    model = pack_for_decoding(copy.deepcopy(model))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, Linear) and m.packed is not None for m in linears), "not packed"
+    return hf, model, mask_id
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +75,12 @@ def v256(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v256_packed(v256):
-    """v256 with its weights packed for decoding (model.pack_for_decoding, as checkpoint.load_checkpoint
-    opens a model): fp32 oneDNN matmuls, the decoders unchanged."""
-    hf, model, mask_id = v256
-    return hf, pack_for_decoding(copy.deepcopy(model)), mask_id
+    return packed(v256)
 
 
 @pytest.fixture(scope="module")
 def v8_packed(v8):
-    hf, model, mask_id = v8
-    return hf, pack_for_decoding(copy.deepcopy(model)), mask_id
+    return packed(v8)
 
 
 @pytest.fixture(scope="module")
@@ -246,19 +262,29 @@ def test_max_new_tokens_one_is_the_prefill_alone(v256):
 
 
 # ---------------------------------------------------------------- the algorithm written out
+def argmax_far_from_a_tie(row):
+    """The argmax of one logit row, asserting its top-2 gap exceeds GAP (greedy_margin): an
+    argmax the counts depend on must not be one fp32 rounding could flip."""
+    assert top2_gap(row) > GAP, f"near-tie: top-2 gap {top2_gap(row):.1e}"
+    return int(row.argmax())
+
+
 @torch.no_grad()
 def reference_exact(hf, prompt, K, threshold, max_new, mask_id):
     """Exact mode written out on HF, one prompt, plain causal forwards only.
-    -> (ids, tokens emitted per forward, drafts offered per step)."""
+    -> (ids, tokens emitted per forward, drafts offered per step). Every argmax and threshold
+    comparison the result depends on is asserted far from a tie (GAP, DRAFT_MARGIN)."""
     def drafts_after(seq):  # K masks after the accepted tokens; mask m is read at len(seq)+m
         out = []
         for row in hf(torch.tensor([seq + [mask_id] * K])).logits[0, len(seq):].float():
-            if row.softmax(-1).max() < threshold:
+            p = float(row.softmax(-1).max())
+            assert threshold == 0 or abs(p - threshold) >= DRAFT_MARGIN, f"near-tie: p={p}"
+            if p < threshold:
                 break
-            out.append(int(row.argmax()))
+            out.append(argmax_far_from_a_tie(row))
         return out
 
-    c0 = int(hf(torch.tensor([prompt])).logits[0, -1].argmax())
+    c0 = argmax_far_from_a_tie(hf(torch.tensor([prompt])).logits[0, -1])
     seq, d, ids, counts, offered = list(prompt), drafts_after(prompt), [c0], [1], []
     while len(ids) < max_new:
         offered.append(len(d))
@@ -267,6 +293,8 @@ def reference_exact(hf, prompt, K, threshold, max_new, mask_id):
         a = 0
         while a < len(d) and d[a] == ar[a]:
             a += 1
+        for row in logits[:a + 1]:  # the verified argmaxes: compared with d_1..d_a, then emitted
+            argmax_far_from_a_tie(row)
         new = (d[:a] + [ar[a]])[: max_new - len(ids)]
         ids, counts = ids + new, counts + [len(new)]
         seq = seq + [c0] + d[:a]

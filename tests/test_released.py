@@ -4,9 +4,11 @@
 config.json `model_type` "a2d-qwen2" (the dllm converter's name and keys, the tied head
 stored as well) and a Qwen2.5 tokenizer with `<|mask|>` added right after Qwen2.5's 22
 added tokens (151665). Nothing can be downloaded here, so a tiny checkpoint is written the
-same way: a random HF Qwen2 model, a tiny Qwen2.5-style tokenizer whose `<|mask|>` is the
-added token right after the 22, no mars.json. It must load in our model and tokenizer,
-the mask id must come from the checkpoint, and τ = 1 decoding must equal HF greedy.
+same way: a random HF Qwen2 model, a tiny Qwen2.5-style tokenizer with a `<|mask|>` entry,
+no mars.json. It must load in our model and tokenizer, the mask id must come from the
+checkpoint, and τ = 1 decoding must equal HF greedy. The entry sits three ids past the 22
+(the release's sits right after them, which is also the id a loader would derive, highest + 1,
+were it to ignore the entry): so only a loader that reads the entry finds it.
 """
 
 import json
@@ -14,8 +16,10 @@ import json
 import pytest
 import torch
 from conftest import make_hf_model
+from greedy_margin import assert_no_near_tie
 from safetensors.torch import load_file, save_file
 
+from checkpoint import load_checkpoint
 from data.bpe import QWEN25_ADDED_TOKENS, train_bpe
 from generate import generate, generate_ar
 from model import Qwen2
@@ -31,7 +35,7 @@ def release(tmp_path_factory):
     """(HF reference model, checkpoint dir, id of <|mask|>)."""
     path = tmp_path_factory.mktemp("a2d")
     tok = train_bpe(TEXTS, n_merges=60)
-    mask_id = max(tok.added_tokens) + 1  # right after the 22 added tokens, as 151665 in Qwen2.5
+    mask_id = max(tok.added_tokens) + 3  # not right after the 22 (151665 in Qwen2.5): no default's id
     vocab = (mask_id + 1 + 63) // 64 * 64  # padded rows, as Qwen2.5's 151936
     hf = make_hf_model(path, vocab_size=vocab, hidden_size=64)
     tok.save(path)
@@ -53,14 +57,18 @@ def release(tmp_path_factory):
     return hf, path, mask_id
 
 
-def test_release_layout_gives_the_mask_id_after_the_added_tokens(release):
+def test_release_layout_gives_the_mask_id_its_tokenizer_lists(release):
     _, path, mask_id = release
     tok = Tokenizer.from_dir(path)
     assert not (path / "mars.json").exists()
     assert [tok.decode([tok.added_ids[n]]) for n in QWEN25_ADDED_TOKENS] == list(QWEN25_ADDED_TOKENS)
-    assert tok.mask_id == mask_id == tok.added_ids["<|file_sep|>"] + 1
+    vocab = Qwen2.from_pretrained(str(path)).config.vocab_size
+    # the id differs from every one a loader could make up: highest + 1 without the entry or with
+    # it, and the last row (the tests' usual stand-in)
+    assert mask_id not in (tok.added_ids["<|file_sep|>"] + 1, mask_id + 1, vocab - 1)
+    assert tok.mask_id == mask_id and load_checkpoint(str(path)).mask_id == mask_id
     assert tok.decode([mask_id]) == "<|mask|>"
-    assert Qwen2.from_pretrained(str(path)).config.vocab_size > mask_id  # a padded row, no new parameter
+    assert vocab > mask_id  # a padded row, no new parameter
 
 
 def test_release_decodes_at_tau_1_equal_to_hf_greedy(release):
@@ -76,6 +84,7 @@ def test_release_decodes_at_tau_1_equal_to_hf_greedy(release):
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, min_new_tokens=N_NEW,
                           do_sample=False, pad_token_id=tok.pad_id)
         refs.append(out[0, len(p):].tolist())
+    assert_no_near_tie(hf, prompts, refs)  # so a mismatch below is a bug, not fp32 rounding
     for B in (1, 4):
         got = generate(model, prompts, block_size=B, tau=1.0, max_new_tokens=N_NEW, mask_id=tok.mask_id)
         assert [g.ids for g in got] == refs
