@@ -14,8 +14,8 @@ crash or Ctrl-C never leaves half a checkpoint:
                           loads, with the tokenizer, generation_config.json and mars.json.
 """
 
-import json
 import os
+import pickle
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +24,8 @@ import torch.distributed as dist
 from model import Qwen2, pack_for_decoding
 from tokenizer import Tokenizer
 from util.atomic import write_json
+from util.files import BadFileError, checked, read_json_object
+from util.runlog import STAGES
 
 DEFAULT_BLOCK_SIZE = 4  # the paper's main B (§7), used when a checkpoint does not say
 
@@ -41,18 +43,19 @@ class Checkpoint:
 
 
 def read_json(path, name):
-    """dir/name as a dict, {} when the file is absent; a broken file is a clear error."""
+    """dir/name as a dict, {} when the file is absent; a broken file is a BadFileError."""
     file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file) as f:
-            d = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return d
+    return read_json_object(file) if os.path.isfile(file) else {}
+
+
+def read_mars(path):
+    """mars.json ({} when absent), its B an int >= 1 and its <|mask|> id an int >= 0 (null or
+    absent: not recorded)."""
+    mars = read_json(path, "mars.json")
+    for key, low in (("block_size", 1), ("mask_id", 0)):
+        if mars.get(key) is not None:
+            checked(os.path.join(path, "mars.json"), key, mars[key], int, low)
+    return mars
 
 
 def open_tokenizer(path):
@@ -69,7 +72,8 @@ def eos_ids_of(path, tok):
     ids = set()
     for name in ("generation_config.json", "config.json"):
         eos = read_json(path, name).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        ids.update(checked(os.path.join(path, name), "eos_token_id", e, int, 0) for e in eos)
     if tok is not None:
         ids.update([tok.eos_id, tok.endoftext_id])
     return tuple(sorted(ids))
@@ -80,10 +84,13 @@ def load_checkpoint(path, device="cpu", dtype=torch.float32, model=None):
     `Checkpoint`. `model` skips loading the weights again (a caller that already has them)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    tok, mars = open_tokenizer(path), read_json(path, "mars.json")
+    mars, tok = read_mars(path), open_tokenizer(path)
     mask_id = mars.get("mask_id", getattr(tok, "mask_id", None))
     if model is None:
         model = pack_for_decoding(Qwen2.from_pretrained(path, dtype, device).eval())  # fast decoding matmuls
+    if mars.get("mask_id") is not None and mars["mask_id"] >= model.config.vocab_size:
+        raise BadFileError(os.path.join(path, "mars.json"), f"mask_id {mars['mask_id']} is not below the "
+                           f"model's vocab_size {model.config.vocab_size} (config.json)")
     return Checkpoint(path, model, tok, mars.get("block_size"), mask_id, eos_ids_of(path, tok), mars)
 
 
@@ -126,6 +133,27 @@ def write_release(tmp, model, S, special, tok, stage, eos_ids):
             "stage": stage, "settings": asdict(S)}
     write_json(os.path.join(tmp, "generation_config.json"), gen)
     write_json(os.path.join(tmp, "mars.json"), meta)
+
+
+def load_train_state(ckpt):
+    """ckpt/train_state.pt, as write_checkpoint saved it; a file cut short, not torch.save's,
+    or without what a resume reads is a BadFileError."""
+    file = os.path.join(ckpt, "train_state.pt")
+    try:  # mmap: ranks that never read the optimizer state pay nothing
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise BadFileError(file, f"not a readable torch.save file ({str(e).split('. ')[0]})") from None
+    if not isinstance(state, dict):
+        raise BadFileError(file, f"expected a dict, got a {type(state).__name__}")
+    for key, kind in (("stage", str), ("step", int), ("optimizer", dict), ("settings", dict), ("data", str)):
+        if key not in state:
+            raise BadFileError(file, f"missing key {key!r}")
+        checked(file, key, state[key], kind, 0 if kind is int else None)
+    if state["stage"] not in STAGES:
+        raise BadFileError(file, f"key 'stage' must be one of {STAGES}, got {state['stage']!r}")
+    if not {"state", "param_groups"} <= set(state["optimizer"]):
+        raise BadFileError(file, "key 'optimizer' is not an optimizer state (no 'state' / 'param_groups')")
+    return state
 
 
 def write_checkpoint(tmp, model, osd, S, stage, step, data_id):

@@ -28,6 +28,7 @@ from data.synthetic import FAMILIES, is_correct, read_jsonl
 from decoding import candidates
 from generate import accept, generate, nocache_logits
 from util.atomic import write_json
+from util.files import USER_ERRORS, error_line
 
 
 @torch.no_grad()
@@ -173,8 +174,11 @@ def main(argv=None):
         sys.exit(f"error: --by-phase {a.by_phase}: {missing} not among --taus {a.taus}")
     if a.nll and 1.0 not in taus:
         sys.exit(f"error: --nll is stored with τ = 1, which is not among --taus {a.taus}")
-    res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
-                   by_phase=by_phase, nll=a.nll)
+    try:
+        res = evaluate(a.ckpt, a.data_dir, taus, a.block_size, a.split, a.limit, cache=a.cache,
+                       by_phase=by_phase, nll=a.nll)
+    except USER_ERRORS as e:  # a broken checkpoint or data file: a message, not a traceback
+        sys.exit(error_line(e))
     if a.json:
         write_json(a.json, res)
 

@@ -62,6 +62,7 @@ from decoding import (
 from exact import check_exact, exact_steps
 from kvcache import KVCache
 from sampling import GREEDY, METRICS, Sampling, confident, row_generators
+from util.files import USER_ERRORS, error_line
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
@@ -439,9 +440,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, OSError, KeyError) as e:  # user mistakes: a message, not a traceback
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
+    except USER_ERRORS as e:  # user mistakes and broken files: a message, not a traceback
+        print(error_line(e), file=sys.stderr)
         return 2
     return 0
 

@@ -50,6 +50,7 @@ import tiktoken
 
 from chat_template import QWEN25_CHAT_TEMPLATE, render_chat
 from util.atomic import write_text
+from util.files import checked, read_json_object, reading
 
 # Qwen2's pre-tokenizer: contractions, letter runs (one leading non-letter), single digits
 # (so numbers are spelled digit by digit), punctuation runs, newlines, other whitespace.
@@ -203,17 +204,18 @@ def _check_bpe_model(model: dict, where: str):
 def _read_tokenizer_json(file: Path):
     """tokenizer.json -> (vocab entries, merge pairs, added records, pre_tokenizer, normalizer,
     unk_token), each component checked (a clear error names what is not supported)."""
-    spec = json.loads(file.read_text(encoding="utf-8"))
-    model = spec.get("model") or {}
-    _check_bpe_model(model, str(file))
-    post = spec.get("post_processor")
-    if post is not None and post.get("type") != "ByteLevel":
-        raise ValueError(f"{file}: unsupported post_processor {post.get('type')!r} (it would add "
-                         "tokens; only ByteLevel or none)")
-    pattern_of(spec.get("pre_tokenizer"), f"{file}")
-    normalizer_of(spec.get("normalizer"), f"{file}")
-    merges = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
-    records = [(file, rec["id"], rec) for rec in spec.get("added_tokens", [])]
+    spec = read_json_object(file)
+    with reading(file):  # a key of another type than HF writes names the file
+        model = spec.get("model") or {}
+        _check_bpe_model(model, str(file))
+        post = spec.get("post_processor")
+        if post is not None and post.get("type") != "ByteLevel":
+            raise ValueError(f"{file}: unsupported post_processor {post.get('type')!r} (it would add "
+                             "tokens; only ByteLevel or none)")
+        pattern_of(spec.get("pre_tokenizer"), f"{file}")
+        normalizer_of(spec.get("normalizer"), f"{file}")
+        merges = [m.split(" ") if isinstance(m, str) else m for m in model.get("merges", [])]
+        records = [(file, rec["id"], rec) for rec in spec.get("added_tokens", [])]
     return (model.get("vocab", {}), merges, records, spec.get("pre_tokenizer"), spec.get("normalizer"),
             model.get("unk_token"))
 
@@ -226,7 +228,8 @@ def _read_slow_files(path: Path):
             raise FileNotFoundError(f"{f}: missing (a tokenizer needs tokenizer.json, or vocab.json "
                                     "and merges.txt)")
     merges = []
-    lines = merges_file.read_text(encoding="utf-8").split("\n")
+    with reading(merges_file):
+        lines = merges_file.read_text(encoding="utf-8").split("\n")
     for n, line in enumerate(lines, 1):
         if line.startswith("#version") or (not line and n == len(lines)):
             continue
@@ -234,21 +237,23 @@ def _read_slow_files(path: Path):
         if len(pair) != 2 or not all(pair):
             raise ValueError(f"{merges_file}: line {n} {line!r} is not two tokens")
         merges.append((pair, f"{merges_file}: line {n} {line!r}"))
-    return json.loads(vocab_file.read_text(encoding="utf-8")), merges
+    return read_json_object(vocab_file), merges
 
 
 def _read_added(records) -> dict[int, dict]:
     """id -> HF's added-token record, from every file that lists them (they must agree)."""
     added = {}
     for f, i, rec in records:
-        if any(rec.get(flag) for flag in ("lstrip", "rstrip", "single_word")):
-            raise ValueError(f"{f}: added token {rec['content']!r} sets lstrip, rstrip or "
-                             "single_word, which this tokenizer does not implement")
-        if i in added and added[i]["content"] != rec["content"]:
-            raise ValueError(f"{f}: id {i} is {rec['content']!r}, elsewhere {added[i]['content']!r}")
-        rec = {k: rec[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
-                                   "special") if k in rec}
-        added.setdefault(i, rec)
+        with reading(f):  # an added token that is not a {"content": ...} record
+            checked(f, "content", rec["content"], str)
+            if any(rec.get(flag) for flag in ("lstrip", "rstrip", "single_word")):
+                raise ValueError(f"{f}: added token {rec['content']!r} sets lstrip, rstrip or "
+                                 "single_word, which this tokenizer does not implement")
+            if i in added and added[i]["content"] != rec["content"]:
+                raise ValueError(f"{f}: id {i} is {rec['content']!r}, elsewhere {added[i]['content']!r}")
+            rec = {k: rec[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word",
+                                       "special") if k in rec}
+        added.setdefault(checked(f, "id", i, int, 0), rec)
     return added
 
 
@@ -256,13 +261,13 @@ def _bpe_tables(entries: dict, merges, added: dict, vocab_where: str):
     """Spelled vocab / merges -> (bytes -> id, [(bytes, bytes)]), added tokens left out."""
     added_names = {rec["content"]: i for i, rec in added.items()}
     vocab = {}
-    for name, i in entries.items():
+    for name, i in checked(vocab_where, "vocab", entries, dict).items():
         if name in added_names:  # some files list added tokens in the vocab too
             if added_names[name] != i:
                 raise ValueError(f"{vocab_where}: {name!r} has id {i}, but {added_names[name]} "
                                  "as an added token")
             continue
-        vocab[_to_bytes(name, f"{vocab_where}: entry")] = i
+        vocab[_to_bytes(name, f"{vocab_where}: entry")] = checked(vocab_where, name, i, int, 0)
     pairs = []
     for pair, where in merges:
         a, b = (_to_bytes(p, where) for p in pair)
@@ -358,8 +363,9 @@ class Tokenizer:
         template and special tokens, and mars.json's `mask_id` when the directory has one."""
         path = Path(path)
         config_file, fast_file = path / "tokenizer_config.json", path / "tokenizer.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        records = [(config_file, int(i), rec) for i, rec in config.get("added_tokens_decoder", {}).items()]
+        config = read_json_object(config_file) if config_file.is_file() else {}
+        with reading(config_file):
+            records = [(config_file, int(i), r) for i, r in config.get("added_tokens_decoder", {}).items()]
         spec = dict(pre_tokenizer=QWEN2_PRE_TOKENIZER, normalizer=NFC)
         if fast_file.is_file():
             entries, pairs, fast_records, spec["pre_tokenizer"], spec["normalizer"], unk = \
@@ -374,10 +380,11 @@ class Tokenizer:
         if missing and unk is not None:
             raise ValueError(f"{where}: no token for byte(s) {missing[:8]} and unk_token {unk!r} set "
                              "(HF would emit unk; only vocabularies without unk_token are supported)")
-        special = {k: _token_name(config[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
-                   if config.get(k) is not None}
+        special = {k: checked(config_file, k, _token_name(config[k]), str)
+                   for k in ("bos_token", "eos_token", "pad_token", "unk_token") if config.get(k) is not None}
         mars = path / "mars.json"
-        mask_id = json.loads(mars.read_text()).get("mask_id") if mars.is_file() else None
+        mask_id = read_json_object(mars).get("mask_id") if mars.is_file() else None
+        mask_id = None if mask_id is None else checked(mars, "mask_id", mask_id, int, 0)
         return cls(vocab, merge_pairs, added, source=str(path), chat_template=_chat_template(path, config),
                    special_tokens=special or None, mask_id=mask_id,
                    merges_source=str(fast_file if fast_file.is_file() else path / "merges.txt"), **spec)

@@ -36,12 +36,16 @@ trimmed prefix is a complete, valid example. Trimmed rows are counted apart.
 import json
 import os
 import sys
+import zipfile
+import zlib
 from collections import Counter
 
 import numpy as np
 
 ROLES = ("system", "user", "assistant")
 TEACHER = ("t_logp", "t_ids", "t_rest")  # the optional teacher arrays (module docstring)
+# each array's dtype.kind: i/u integers, b bool, f float
+ARRAY_KINDS = {"ids": "iu", "loss": "iub", "offsets": "iu", "t_logp": "f", "t_ids": "iu", "t_rest": "f"}
 SKIP_REASONS = {
     "blank_line": "an empty line",
     "invalid_json": "not valid JSON (or not UTF-8)",
@@ -195,24 +199,34 @@ def save_npz(arrays, path):
 
 
 def load_npz(path):
-    """Read and check a prepared file -> {"ids", "loss", "offsets"}; a clear error if malformed."""
+    """Read and check a prepared file -> {"ids", "loss", "offsets"}; a broken one (cut short,
+    not .npz, an array missing, of the wrong dtype or shape) is a BadFileError naming it."""
+    from util.files import BadFileError  # here: as in save_npz
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: not found (make it with data/prepare.py)")
-    with np.load(path, allow_pickle=False) as f:
-        missing = {"ids", "loss", "offsets"} - set(f.files)
-        if missing:
-            raise ValueError(f"{path}: missing array(s) {sorted(missing)}")
-        a = {k: f[k] for k in ("ids", "loss", "offsets") + TEACHER if k in f.files}
+    try:
+        with np.load(path, allow_pickle=False) as f:  # a lone .npy array has no `with`: TypeError
+            a = {k: f[k] for k in ("ids", "loss", "offsets") + TEACHER if k in f.files}
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, TypeError, AttributeError, OSError) as e:
+        raise BadFileError(path, f"not a readable .npz file ({type(e).__name__}: {e})") from None
+    missing = {"ids", "loss", "offsets"} - set(a)
+    if missing:
+        raise BadFileError(path, f"missing array(s) {sorted(missing)}")
+    wrong = [f"{k!r} is {a[k].dtype}" for k in a if a[k].dtype.kind not in ARRAY_KINDS[k]]
+    if wrong:
+        raise BadFileError(path, f"wrong dtype: {', '.join(wrong)} (see ARRAY_KINDS in data/prepare.py)")
     off = a["offsets"]
-    if a["ids"].shape != a["loss"].shape or a["ids"].ndim != 1:
-        raise ValueError(f"{path}: 'ids' {a['ids'].shape} and 'loss' {a['loss'].shape} must be equal 1-D")
+    if a["ids"].shape != a["loss"].shape or a["ids"].ndim != 1 or (a["ids"] < 0).any():
+        raise BadFileError(path, f"'ids' {a['ids'].shape} and 'loss' {a['loss'].shape} must be equal 1-D, "
+                                 "the ids >= 0")
     if off.ndim != 1 or off.size < 1 or off[0] != 0 or off[-1] != a["ids"].size or (np.diff(off) < 0).any():
-        raise ValueError(f"{path}: 'offsets' must rise from 0 to len(ids)={a['ids'].size}")
+        raise BadFileError(path, f"'offsets' must rise from 0 to len(ids)={a['ids'].size}")
     if any(k in a for k in TEACHER):
         L = int(a["loss"].sum())
         if not (all(k in a for k in TEACHER) and a["t_logp"].shape == a["t_ids"].shape
                 and a["t_logp"].ndim == 2 and a["t_logp"].shape[0] == L and a["t_rest"].shape == (L,)):
-            raise ValueError(f"{path}: the teacher arrays {TEACHER} must be (L, k), (L, k), (L,), L = {L}")
+            raise BadFileError(path, f"the teacher arrays {TEACHER} must be (L, k), (L, k), (L,), L = {L}")
         # row i's teacher entries: t_offsets[i] .. t_offsets[i + 1] (derived, not stored)
         a["t_offsets"] = np.concatenate([[0], np.cumsum(a["loss"], dtype=np.int64)])[off]
     return a

@@ -197,8 +197,18 @@ def write_jsonl(rows, path):
 
 
 def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a .jsonl file, blank lines skipped; a line that is not JSON (or not
+    UTF-8) is a BadFileError naming the file and the line."""
+    from util.files import BadFileError  # here: `python data/synthetic.py` puts the repo on the path late
+
+    rows = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rows += [json.loads(line)] if line.strip() else []
+            except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+                raise BadFileError(path, f"line {n} is not valid JSON ({e})") from None
+    return rows
 
 
 # The default system turn of the data's chat template (a prompt sent without one, as

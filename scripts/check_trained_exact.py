@@ -14,10 +14,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from checkpoint import load_checkpoint
 from data.synthetic import read_jsonl
 from exact import generate_exact
+from util.files import USER_ERRORS, error_line
 
 ckpt = sys.argv[1] if len(sys.argv) > 1 else "out/default/mars"
 data = sys.argv[2] if len(sys.argv) > 2 else "data/default"
-ck = load_checkpoint(ckpt)
+try:
+    ck = load_checkpoint(ckpt)
+except USER_ERRORS as e:  # a broken checkpoint: a message, not a traceback
+    sys.exit(error_line(e))
 tok, model, B = ck.tok, ck.model, ck.block_size or 4
 hf = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager").eval()
 problems = read_jsonl(os.path.join(data, "test.jsonl"))[:40]

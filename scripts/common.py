@@ -13,6 +13,7 @@ import torch
 
 from checkpoint import load_checkpoint
 from model import Qwen2, Qwen2Config, init_weights
+from util.files import USER_ERRORS, error_line
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -105,7 +106,10 @@ def load_for_bench(args, prefix):
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix=prefix))
-    ck = load_checkpoint(ckpt, args.device, getattr(torch, args.dtype))
+    try:
+        ck = load_checkpoint(ckpt, args.device, getattr(torch, args.dtype))
+    except USER_ERRORS as e:  # a broken checkpoint: a message, not a traceback
+        raise SystemExit(error_line(e)) from None
     if args.mask_id is not None:
         ck.mask_id = args.mask_id
     elif ck.mask_id is None:
