@@ -7,7 +7,8 @@ beyond the paper's CE of MARS_SPEC §4), each against an independent reference:
   * with k < V the per-target value equals the formula written out element by element;
   * its gradient in the logits equals autograd of that written-out formula, and the
     closed form q - t (t = p on the top k, r q / Q off it), in float64;
-  * with ar_target = "tokens" (the default) nothing changes: no teacher, the CE of §4.
+  * with ar_target = "tokens" (the default) nothing changes: no teacher, and the L_AR of
+    mars_loss and ar_loss is the CE of §4 written out on HF, in float64.
 """
 
 import numpy as np
