@@ -150,17 +150,38 @@ def test_the_top_k_form_is_below_the_full_kl_and_at_k_equal_v_is_it():
     assert (values[8] <= values[64] + 1e-12).all() and (values[64] <= full + 1e-12).all()  # coarser: less
 
 
+def brute_force_ce(hf, ids, labels):
+    """§4's L_AR written out: per target i, -log softmax(HF output i-1)[labels[i]] (EOS pads
+    included), mean per sequence, then over the batch."""
+    per_row = []
+    for r in range(ids.shape[0]):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids[r:r + 1]).logits[0].double(), -1)
+        terms = [-float(logp[i - 1, labels[r, i]]) for i in range(1, ids.shape[1]) if labels[r, i] != IGNORE]
+        per_row.append(sum(terms) / len(terms))
+    return sum(per_row) / len(per_row)
+
+
 def test_tokens_target_makes_no_teacher_and_keeps_the_ce(tmp_path):
-    hf = make_hf_model(tmp_path / "t", seed=0, vocab_size=V).double()
-    d = rows_file(tmp_path / "train.npz", hf, n=3)
-    S = Settings(block_size=B)  # ar_target = "tokens", the paper's
-    rows = torch.arange(3)
-    assert make_teacher(d, rows, S, SPECIAL, "cpu") is None
-    student = Qwen2.from_pretrained(str(tmp_path / "t"), torch.float64)
-    x, y, _ = make_batch(d, rows, S, SPECIAL, "cpu")
+    """The default (ar_target = "tokens", the paper's): no teacher arrays, and the L_AR of
+    mars_loss and ar_loss called without ar_teacher is the CE of §4 written out on HF, float64."""
+    hf = make_hf_model(tmp_path / "t", seed=0, vocab_size=V)
+    with hf_float64(hf):
+        d = rows_file(tmp_path / "train.npz", hf, n=3)
+        S = Settings(block_size=B)
+        rows = torch.arange(3)
+        assert S.ar_target == "tokens" and make_teacher(d, rows, S, SPECIAL, "cpu") is None
+        student = Qwen2.from_pretrained(str(tmp_path / "t"), torch.float64)
+        x, y, _ = make_batch(d, rows, S, SPECIAL, "cpu")
+        want = brute_force_ce(hf, x, y)
     with torch.no_grad():
-        assert mars_loss(student, x, y, MASK, B)[2].item() == mars_loss(student, x, y, MASK, B,
-                                                                         ar_teacher=None)[2].item()
+        l_ar, plain = mars_loss(student, x, y, MASK, B)[2].item(), ar_loss(student, x, y).item()
+    # float64 end to end on both sides (hf_float64): rounding ~1e-16, so 1e-12 holds anywhere
+    assert abs(l_ar - want) < 1e-12 * want and abs(plain - want) < 1e-12 * want
+    # the CE is not the teacher's KL on the same rows (a default that used one would fail above)
+    teacher = make_teacher(d, rows, Settings(block_size=B, ar_target="teacher"), SPECIAL, "cpu")
+    with torch.no_grad():
+        assert abs(ar_loss(student, x, y, ar_teacher=teacher).item() - want) > 1.0
 
 
 def test_replies_stage_teacher_is_the_top_k_of_the_models_distribution(tmp_path):
