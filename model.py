@@ -24,7 +24,6 @@ build it with no bias tensors (`attention_bias=False`) rather than with zero one
 it has exactly the checkpoint's parameters and saves back as a `llama` config.json.
 """
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
@@ -32,13 +31,15 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from util.atomic import atomic_write, write_json
+from util.files import BadFileError, check_fields, open_safetensors, read_json_object
 
 # config.json model_type -> whether q/k/v carry biases (the only difference we model)
 MODEL_TYPES = {"qwen2": True, "a2d-qwen2": True, "llama": False}
+# the config.json keys without a default; each, and the kv heads and positions, is an int >= 1
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -70,19 +71,19 @@ class Qwen2Config:
         """Read the fields we use from an HF config.json dict; refuse what we cannot run."""
         model_type = d.get("model_type", "qwen2")
         if model_type not in MODEL_TYPES:
-            raise ValueError(f"{source}: unsupported model_type {model_type!r} "
-                             f"(implemented: {', '.join(MODEL_TYPES)})")
+            raise BadFileError(source, f"unsupported model_type {model_type!r} "
+                                       f"(implemented: {', '.join(MODEL_TYPES)})")
         d = dict(d)
         _check_supported(d, model_type, source)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" not in d and "rope_theta" in rope:  # transformers >= 5 nests it
             d["rope_theta"] = rope["rope_theta"]
         names = {f.name for f in fields(cls)}
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in d]
+        missing = [k for k in REQUIRED if k not in d]
         if missing:
-            raise ValueError(f"{source}: missing key(s) {missing}")
+            raise BadFileError(source, f"missing key(s) {missing}")
         kw = {k: v for k, v in d.items() if k in names and v is not None}
+        check_fields(source, kw, cls, positive=REQUIRED + ("num_key_value_heads", "max_position_embeddings"))
         kw["attention_bias"] = MODEL_TYPES[model_type]
         kw.setdefault("num_key_value_heads", d["num_attention_heads"])
         # a key config.json leaves out means what transformers' Qwen2Config / LlamaConfig
@@ -90,14 +91,16 @@ class Qwen2Config:
         # not be silently tied
         kw.setdefault("tie_word_embeddings", False)
         kw.setdefault("rope_theta", 10000.0)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ValueError as e:  # __post_init__: the heads do not group
+            raise BadFileError(source, e) from None
 
     @classmethod
     def from_json(cls, path: str) -> "Qwen2Config":
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), source=path)
+        return cls.from_hf_dict(read_json_object(path), source=path)
 
     def to_hf_dict(self) -> dict:
         d = asdict(self)
@@ -116,19 +119,19 @@ class Qwen2Config:
 def _check_supported(d: dict, model_type: str, source: str):
     """Refuse the config.json settings that change the computation and that we do not build."""
     if d.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        raise BadFileError(source, "use_sliding_window=true is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{source}: unsupported rope type {rope!r}")
+        raise BadFileError(source, f"unsupported rope type {rope!r}")
     if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: unsupported hidden_act {d['hidden_act']!r} (only silu)")
+        raise BadFileError(source, f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
     if model_type == "llama":
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
-                raise ValueError(f"{source}: {key}=true is not supported for a llama model "
-                                 "(only Llama without biases)")
+                raise BadFileError(source, f"{key}=true is not supported for a llama model "
+                                           "(only Llama without biases)")
         if d.get("pretraining_tp", 1) != 1:
-            raise ValueError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
+            raise BadFileError(source, f"pretraining_tp={d['pretraining_tp']} is not supported")
 
 
 class RMSNorm(nn.Module):
@@ -374,7 +377,7 @@ class Qwen2(nn.Module):
         for key, file in _weight_files(path).items():
             by_file.setdefault(file, []).append(key)
         for file, keys in by_file.items():
-            with safe_open(file, framework="pt", device=str(device)) as f:
+            with open_safetensors(file, device) as f:
                 for key in keys:
                     if key == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # some tied checkpoints store the head too; it is the embedding
@@ -417,13 +420,12 @@ def _weight_files(path):
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object")
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise BadFileError(index, "no 'weight_map' object of tensor name -> file name")
         out = {}
         for key, name in weight_map.items():
             file = os.path.join(path, name)

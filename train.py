@@ -41,13 +41,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from checkpoint import gather, load_optimizer, write_checkpoint, write_release
+from checkpoint import gather, load_optimizer, load_train_state, write_checkpoint, write_release
 from data.batches import batch_rows, fingerprint, make_batch, make_teacher
 from data.prepare import load_npz
 from mars import ar_loss, inverse_t_weights, mars_loss
 from model import Qwen2, Qwen2Config, init_weights
 from settings import RESUME_FREE, Settings, parse_settings
 from util.atomic import recover_dir, replace_dir, write_json
+from util.files import USER_ERRORS, error_line
 from util.memory import memory_parts
 from util.precision import autocast, compute_dtype, weight_dtype
 from util.runlog import STAGES, RunLog, plot_losses
@@ -225,10 +226,14 @@ class Run:
 def train(S, rank, world, device):
     """The outline of a run: data, resume point, model, the two stages, the final evaluation."""
     micro_batches(S, world)  # refuse a batch that does not split into the processes
-    r = Run(S, rank, world, device, *load_data(S, rank, world))
-    state = resume_point(r)
-    build_model(r, state)
+    try:  # data_dir, the tokenizer, init_from, out_dir/ckpt: a broken file is a message, not a traceback
+        r = Run(S, rank, world, device, *load_data(S, rank, world))
+        state = resume_point(r)
+        build_model(r, state)
+    except USER_ERRORS as e:
+        raise SystemExit(error_line(e)) from None
     here = (state["stage"], state["step"]) if state is not None else None
+    os.makedirs(S.out_dir, exist_ok=True)  # only now: a run refused above writes nothing
     r.log = RunLog(os.path.join(S.out_dir, "log.jsonl"), here, enabled=rank == 0)
     t = Timer()
     first, first_step = (state["stage"], state["step"]) if state is not None else ("ar", 0)
@@ -288,15 +293,12 @@ def resume_point(r):
     or None for a fresh run; a checkpoint of other settings or data is refused."""
     S = r.S
     if r.rank == 0:
-        os.makedirs(S.out_dir, exist_ok=True)
         recover_dir(r.ckpt)
     if r.world > 1:
         dist.barrier()
     if not (S.resume and os.path.isdir(r.ckpt)):
         return None
-    # mmap: ranks that never read the optimizer state pay nothing
-    state = torch.load(os.path.join(r.ckpt, "train_state.pt"), map_location="cpu", weights_only=True,
-                       mmap=True)
+    state = load_train_state(r.ckpt)
     diff = [f"{k}: {state['settings'].get(k)!r} -> {v!r}" for k, v in asdict(S).items()
             if k not in RESUME_FREE and state["settings"].get(k) != v]
     diff += ["the content of train.npz"] if state["data"] != r.data_id else []
