@@ -182,13 +182,29 @@ def test_chat_ids_equal_apply_chat_template_with_smollm2_default_system(converte
                            "Hugging Face<|im_end|>\n")
 
 
-def test_loss_span_on_smollm2_template(tok):
+def test_loss_span_on_smollm2_template(converted, tok):
+    """The §2 loss span exactly, on SmolLM2's template (its default system turn), as
+    tests/test_tokenizer.py checks Qwen2.5's: from the string, the span runs from after the last
+    "<|im_start|>assistant\n" to the end of the "<|im_end|>\n" that follows; a token carries loss
+    iff HF's character offsets for it overlap the span."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(converted)
     for messages in CONVERSATIONS[1:]:
         ids, mask = tok.encode_chat_with_loss_mask(messages)
+        text = hf.apply_chat_template(messages, tokenize=False)
+        enc = hf(text, return_offsets_mapping=True, add_special_tokens=False)
+        assert ids == enc["input_ids"]
+        header = "<|im_start|>assistant\n"
+        start = text.rindex(header) + len(header)
+        end = text.index("<|im_end|>\n", start) + len("<|im_end|>\n")
+        assert mask == [a < end and b > start for a, b in enc["offset_mapping"]]
+        first, last = mask.index(True), len(mask) - 1 - mask[::-1].index(True)
+        assert sum(mask) == last - first + 1  # one contiguous span
         answer = [m["content"] for m in messages if m["role"] == "assistant"][-1]
-        n = sum(mask)
-        assert all(mask[-n:]) if messages[-1]["role"] == "assistant" else n > 0
-        assert tok.decode([i for i, m in zip(ids, mask) if m]).endswith(answer + "<|im_end|>\n")
+        # the span's text ends the turn; it may start a little early, where a token straddles the
+        # span's start ("\n   spaces...": its first token is "\n   "), as the rule says
+        assert tok.decode(ids[first:last + 1]).endswith(answer + "<|im_end|>\n")
 
 
 def test_mask_id_is_recorded_and_never_in_chat_text(converted, tok):
