@@ -3,11 +3,14 @@
 Not collected by pytest (no test_ prefix); imported by tests/test_sampling.py and by the
 decoder distribution tests of phase 2. It knows no decoder: a decoder's samples come in
 as a (N, L) tensor of token ids, and the exact AR distribution they must follow is
-enumerated here from a model's next-token logits.
+enumerated here from a model's next-token logits. It shares no code with sampling.py: the
+processed distribution is Hugging Face's own warpers (hf_probs), so a wrong
+sampling.processed_probs cannot make its own reference.
 
   critical_value(df)                 the 0.999 chi-square quantile (scipy)
   chi_square(counts, probs)          the statistic and its degrees of freedom
   histogram(seqs, V)                 counts of each length-L sequence, shape (V,)*L
+  hf_probs(logits, s)                HF's temperature -> top-k -> top-p warpers, then softmax
   ar_distribution(next_logits, prompt, L, V, s)   exact P(x_1..x_L | prompt) under
                                      sampling settings s, and its top-p margin
   hf_next_logits(hf)                 next_logits for a transformers causal LM
@@ -20,11 +23,16 @@ generates L tokens).
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from scipy.stats import chi2
-
-from sampling import processed_probs
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 # ---------------------------------------------------------------- the test
@@ -60,10 +68,26 @@ def histogram(seqs, V):
 
 
 # ---------------------------------------------------------------- the exact AR distribution
+def hf_probs(logits, s):
+    """Sampling settings s (temperature, top_k, top_p) applied by HF's warpers in generate()'s
+    order (utils.py _get_logits_processor), then softmax: float32 (..., V). Temperature 0 (no
+    HF warper) is the greedy rule as a distribution: the one-hot of the argmax."""
+    x = logits.float()
+    if s.temperature == 0:
+        return F.one_hot(x.argmax(-1), x.shape[-1]).float()
+    if s.temperature != 1.0:
+        x = TemperatureLogitsWarper(float(s.temperature))(None, x)
+    if s.top_k:
+        x = TopKLogitsWarper(s.top_k)(None, x)
+    if s.top_p < 1.0:
+        x = TopPLogitsWarper(s.top_p)(None, x)
+    return x.softmax(-1)
+
+
 @torch.no_grad()
 def ar_distribution(next_logits, prompt, L, V, s):
     """Exact distribution of the first L sampled tokens after `prompt`: (V,)*L float64,
-    P(x) = prod_t processed_probs(next_logits(prompt + x_<t), s)[x_t], every prefix
+    P(x) = prod_t hf_probs(next_logits(prompt + x_<t), s)[x_t], every prefix
     enumerated (V^0 + .. + V^(L-1) forwards, in one batch per length).
 
     Also -> the top-p margin: the smallest |cumulative mass - (1 - top_p)| met by the
@@ -75,7 +99,7 @@ def ar_distribution(next_logits, prompt, L, V, s):
         prefixes = [list(prompt) + list(x) for x in itertools.product(range(V), repeat=t)]
         logits = next_logits(torch.tensor(prefixes)).float()  # (V^t, V)
         margin = min(margin, top_p_margin(logits, s))
-        step = processed_probs(logits, s).double().reshape((V,) * t + (V,))
+        step = hf_probs(logits, s).double().reshape((V,) * t + (V,))
         probs = probs[..., None] * step
     return probs, margin
 
@@ -84,7 +108,7 @@ def top_p_margin(logits, s):
     """Distance of the top-p cut from a tie: min |cumsum of ascending probs - (1 - top_p)|."""
     if s.top_p >= 1.0 or s.temperature == 0:
         return math.inf
-    kept = processed_probs(logits, type(s)(temperature=s.temperature, top_k=s.top_k))
+    kept = hf_probs(logits, SimpleNamespace(temperature=s.temperature, top_k=s.top_k, top_p=1.0))
     cum = kept.sort(-1).values.cumsum(-1)  # the cumulative mass the top-p warper compares
     return float((cum - (1 - s.top_p)).abs().min())
 

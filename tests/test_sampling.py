@@ -32,15 +32,11 @@ from sampling_reference import (
     chi_square,
     critical_value,
     hf_next_logits,
+    hf_probs,
     histogram,
     tiny_hf_model,
 )
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from sampling import (
     Sampling,
@@ -54,18 +50,6 @@ from sampling import (
     sample_drafts,
     speculative_accept,
 )
-
-
-def hf_probs(logits, s):
-    """HF's warpers in generate()'s order (utils.py _get_logits_processor), then softmax."""
-    x = logits.float()
-    if s.temperature != 1.0:
-        x = TemperatureLogitsWarper(float(s.temperature))(None, x)
-    if s.top_k:
-        x = TopKLogitsWarper(s.top_k)(None, x)
-    if s.top_p < 1.0:
-        x = TopPLogitsWarper(s.top_p)(None, x)
-    return x.softmax(-1)
 
 
 def random_logits(seed, N, V, kind):
@@ -189,7 +173,7 @@ def test_a_row_in_a_batch_equals_the_row_alone():
 def test_sampled_tokens_follow_the_processed_distribution():
     N, s = 20_000, Sampling(temperature=0.7, top_k=6, top_p=0.9)
     x = random_logits(14, 1, 8, "normal") / 3
-    probs = processed_probs(x, s)[0]
+    probs = hf_probs(x, s)[0]  # HF's warpers: the reference shares no code with pick
     draws = pick(x.expand(N, 8), s, torch.Generator().manual_seed(0))
     stat, df = chi_square(histogram(draws[:, None], 8), probs)
     assert df >= 3  # top-k and top-p left a real distribution to test
@@ -250,8 +234,8 @@ def toy_decode(target, draft, c0, L, K, s, gen, rule, N):
 
 
 def joint_ar(target, c0, L, s):
-    """Exact P(x_1..x_L) of AR sampling from the toy target: (V,)*L."""
-    pt = processed_probs(target, s).double()  # (V, V): [previous token, next token]
+    """Exact P(x_1..x_L) of AR sampling from the toy target: (V,)*L, from HF's warpers."""
+    pt = hf_probs(target, s).double()  # (V, V): [previous token, next token]
     probs = pt[c0]  # (V,)
     for t in range(1, L):  # the last axis of probs is the previous token
         probs = probs[..., None] * pt.reshape((1,) * (t - 1) + pt.shape)
@@ -289,7 +273,7 @@ def test_joint_ar_reference_is_the_product():
     """The enumerated reference itself, against a loop over sequences."""
     s, V = Sampling(temperature=0.9, top_p=0.8), 4
     target = torch.randn(V, V, generator=torch.Generator().manual_seed(6))
-    pt, probs = processed_probs(target, s).double(), joint_ar(target, 2, 3, s)
+    pt, probs = hf_probs(target, s).double(), joint_ar(target, 2, 3, s)
     for x in itertools.product(range(V), repeat=3):
         assert probs[x] == pt[2, x[0]] * pt[x[0], x[1]] * pt[x[1], x[2]]
     assert abs(probs.sum().item() - 1) < 1e-6
