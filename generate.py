@@ -63,6 +63,7 @@ from exact import check_exact, exact_steps
 from kvcache import KVCache
 from sampling import GREEDY, METRICS, Sampling, confident, row_generators
 from util.files import USER_ERRORS, error_line
+from util.precision import choose_dtype
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
@@ -363,7 +364,8 @@ def parse_args(argv=None):
                    help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: bfloat16 where the device has bf16 units, else float32 (util/precision.py)")
     args = p.parse_args(argv)
     if not (args.chat or args.prompt is not None or args.prompt_ids is not None or args.prompts_file):
         p.error("give one of --prompt, --prompt-ids, --prompts-file or --chat")
@@ -403,7 +405,9 @@ def run(args):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
     if args.tau is not None:
         check_tau(args.tau, sampling.accept_metric)
-    ck = load_checkpoint(args.ckpt, args.device, getattr(torch, args.dtype))
+    dtype, why = choose_dtype(args.dtype, args.device)
+    print(f"[{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
+    ck = load_checkpoint(args.ckpt, args.device, dtype)
     args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")

@@ -18,15 +18,27 @@ That single rule gives every cache mode of the spec:
     by the next write (they are never visible: attention stops at lengths+T).
   * block cache: inner steps forward the block's slots and commit nothing (the
     prefix cache stays fixed); one final forward of the filled block commits it.
+
+In bf16 (and fp16) attention reads a key span padded to a multiple of KEY_BLOCK slots, the
+slots past `end` masked out. Why: the CPU's attention kernel sums a row over its keys in an
+order that depends on how many keys it is given, and a bf16 output keeps the difference (about
+2 rows in 5 differ by an ulp between 20 and 28 keys, 9 of them masked: tests/test_bf16.py). An
+AR step reads max(lengths) + 1 keys, exact mode's verification max(lengths) + T; padded, the
+masked slots are whole zero blocks and the row comes out bitwise the same. In fp32 the
+difference stays in the last bits of a float32 and the span is `end`, as always.
 """
 
 import torch
+
+KEY_BLOCK = 64  # bf16/fp16: attention reads whole blocks of this many key slots
 
 
 class KVCache:
     def __init__(self, n_layers, batch_size, n_kv_heads, head_dim, max_len,
                  dtype=torch.float32, device="cpu"):
-        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.key_block = KEY_BLOCK if dtype in (torch.bfloat16, torch.float16) else 1
+        padded = -(-max_len // self.key_block) * self.key_block  # room for the last padded span
+        shape = (n_layers, batch_size, n_kv_heads, padded, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -43,18 +55,20 @@ class KVCache:
     def begin(self, T):
         """Place the T new tokens of the next forward at slots lengths[b] .. lengths[b]+T-1,
         once for all layers (model.hidden calls it). Sets `end` = max(lengths) + T, the
-        slots attention reads, and `at` = the common length when every row has the same
-        one (a write is then a plain slice; batch 1 always), else None."""
+        slots in use; `span`, the slots attention reads (`end` rounded up to the key block);
+        and `at` = the common length when every row has the same one (a write is then a plain
+        slice; batch 1 always), else None."""
         lo, hi = torch.aminmax(self.lengths)
         lo, hi = int(lo), int(hi)  # one device sync per forward, not one per layer
         if hi + T > self.max_len:
             raise ValueError(f"KV cache overflow: need {hi + T} slots, allocated max_len={self.max_len}")
         self.T, self.end, self.at = T, hi + T, lo if lo == hi else None
+        self.span = -(-self.end // self.key_block) * self.key_block
         self.slots = None if lo == hi else self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
     def write(self, layer, k_new, v_new):
         """Store k_new/v_new (N, nkv, T, hd) at the slots `begin(T)` placed; return the K/V
-        of slots 0 .. max(lengths)+T-1 (N, nkv, S, hd) for attention."""
+        of slots 0 .. span-1 (N, nkv, S, hd) for attention (build_mask masks those past end)."""
         if k_new.shape[2] != self.T:
             raise ValueError(f"write of {k_new.shape[2]} tokens, but begin() placed {self.T}")
         if self.at is not None:
@@ -64,7 +78,7 @@ class KVCache:
             idx = self.slots[:, None, :, None].expand_as(k_new)  # (N, nkv, T, hd)
             self.k[layer].scatter_(2, idx, k_new)
             self.v[layer].scatter_(2, idx, v_new)
-        return self.k[layer, :, :, :self.end], self.v[layer, :, :, :self.end]
+        return self.k[layer, :, :, :self.span], self.v[layer, :, :, :self.span]
 
     def commit(self, n):
         """Keep the first n[b] tokens of the last forward of row b (n: int or (N,) tensor)."""

@@ -168,8 +168,16 @@ def rotate_half(x):
 class Linear(nn.Linear):
     """nn.Linear, plus an optional second copy of the weight packed for oneDNN's CPU matmul
     (`pack_for_decoding`). The packed copy is used only where no gradient is wanted (decoding),
-    on fp32 CPU inputs, and only while the weight is the one it was packed from (same storage,
-    no in-place change since): otherwise, and always in training, this is F.linear."""
+    on CPU inputs of the weight's dtype (fp32 or bf16), and only while the weight is the one it
+    was packed from (same storage, no in-place change since): otherwise, and always in
+    training, this is F.linear.
+
+    Row invariance in bf16: exact mode is exact only if a decoding row comes out bitwise the
+    same alone (an AR step) or among a step's rows (the verification). oneDNN and MKL give
+    each row of an M-row product the same bits for every M >= 2, but run one row through
+    another kernel (summation order): on an AMD EPYC a one-row bf16 product over 1536 inputs
+    (down_proj) differs in the last bit, which a bf16 output keeps (tests/test_bf16.py). So
+    without gradients one bf16 row is computed as two equal rows (the same weight traffic)."""
 
     packed = None  # (weight key, packed tensor), set by pack_for_decoding
     # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
@@ -178,11 +186,20 @@ class Linear(nn.Linear):
     packed_max_rows = 64
 
     def forward(self, x):
+        if torch.is_grad_enabled() or x.dtype not in LOW_PRECISION or x.numel() != x.shape[-1]:
+            return self.product(x)
+        two = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, C): the one row, twice
+        return self.product(two)[:1].reshape(*x.shape[:-1], -1)
+
+    def product(self, x):
         p = self.packed
-        if p is not None and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.is_cpu \
+        if p is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype and x.is_cpu \
                 and x.numel() <= self.packed_max_rows * x.shape[-1] and p[0] == _weight_key(self.weight):
             return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose outputs round a summation order visibly
 
 
 def _weight_key(w):
@@ -291,7 +308,7 @@ def build_mask(T, attn_mask=None, cache=None):
     True = may attend, or a TwoStreamMask; None means plain causal. With a cache (placed
     by cache.begin), every committed cached token of the row is visible as well, and the
     new tokens sit at slots lengths[b] .. lengths[b]+T-1, so the mask is placed at that
-    offset per row: (N, 1, T, S), S = max(lengths) + T.
+    offset per row: (N, 1, T, S), S = cache.span.
     """
     if cache is None:
         if attn_mask is None:
@@ -301,8 +318,8 @@ def build_mask(T, attn_mask=None, cache=None):
         return attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask[:, None]
     if isinstance(attn_mask, TwoStreamMask):
         raise ValueError("a TwoStreamMask is a training mask: it takes no KV cache")
-    lengths, S = cache.lengths, cache.end  # (N,), int
-    if attn_mask is None and T == 1 and cache.at is not None:
+    lengths, S = cache.lengths, cache.span  # (N,), int (span: end, padded in bf16, kvcache.py)
+    if attn_mask is None and T == 1 and cache.at is not None and S == cache.end:
         return None  # one new token per row, all rows at the same slot: it sees every key
     j = torch.arange(S, device=lengths.device)
     if attn_mask is None:  # causal from each row's length: new token t sees slots <= lengths[b] + t
@@ -438,7 +455,7 @@ def _weight_files(path):
 
 
 def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
-    """Give every fp32 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
+    """Give every fp32 or bf16 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
     (torch.ops.mkldnn: the ops torch.compile's CPU weight prepacking uses when the row count is
     not known in advance); in place, returns the model. checkpoint.load_checkpoint (the
     decoders' opener) calls it. `rows` is the row count oneDNN picks its layout for; any row
@@ -452,15 +469,15 @@ def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     packing is read through F.linear again. The price is a second copy of every weight matrix
     in memory (the tied head's too), and oneDNN's buffers for each row count it has run (about
     220 MB for SmolLM2 at 1-64 rows; `Linear.packed_max_rows` caps it: larger forwards take
-    F.linear). Packed in fp32 only, on the CPU only, where this torch has
-    oneDNN; anything else is left as it is. Results differ from F.linear's by fp32 rounding
-    (another summation order): tests/test_fast_paths.py."""
+    F.linear). Packed in fp32 and bf16, on the CPU, where this torch has oneDNN; anything else
+    is left as it is. Results differ from F.linear's by rounding (another summation order):
+    tests/test_fast_paths.py (fp32), tests/test_bf16.py (bf16)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
     with torch.no_grad():
         for module in model.modules():
             w = module.weight if isinstance(module, Linear) else None
-            if w is not None and w.dtype == torch.float32 and w.is_cpu:
+            if w is not None and w.dtype in (torch.float32, torch.bfloat16) and w.is_cpu:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
                 module.packed = (_weight_key(w), packed)
     return model

@@ -50,7 +50,7 @@ from settings import RESUME_FREE, Settings, parse_settings
 from util.atomic import recover_dir, replace_dir, write_json
 from util.files import USER_ERRORS, error_line
 from util.memory import memory_parts
-from util.precision import autocast, compute_dtype, weight_dtype
+from util.precision import autocast, choose_dtype, weight_dtype
 from util.runlog import STAGES, RunLog, plot_losses
 
 
@@ -312,7 +312,7 @@ def resume_point(r):
 def build_model(r, state):
     """The model (from the checkpoint, init_from or scratch), on its device, wrapped for the run."""
     S, special = r.S, r.special
-    dtype = compute_dtype(S.dtype, r.device)
+    dtype, why = choose_dtype(S.dtype, r.device)
     model = Qwen2.from_pretrained(r.ckpt, weight_dtype(dtype)) if state is not None else \
         initial_model(S, r.tok, special)
     cfg, data = model.config, r.data
@@ -327,7 +327,7 @@ def build_model(r, state):
     model.gradient_checkpointing = S.gradient_checkpointing
     r.say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
           f"{cfg.vocab_size}; {len(data['train']['offsets']) - 1} train rows; {r.world} process(es) on "
-          f"{r.device}, {str(dtype).removeprefix('torch.')}")
+          f"{r.device}, {str(dtype).removeprefix('torch.')} ({why})")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
         r.say(memory_report(cfg, replace(S, dtype=str(dtype).removeprefix("torch.")), r.world))
     if S.freeze_vocab and not cfg.tie_word_embeddings:

@@ -298,7 +298,8 @@ def cli_runs(cli_ckpt):
     -> {case: (returncode, stdout, stderr)}."""
     ckpt = cli_ckpt[0]
     cases = {"ok": ["--ckpt", ckpt, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--mask-id",
-                    str(MASK), "--tau", "1", "--block-size", "4", "--max-new-tokens", "12", "--json"]}
+                    str(MASK), "--tau", "1", "--block-size", "4", "--max-new-tokens", "12", "--json",
+                    "--dtype", "float32"]}  # the reference is fp32, whatever `auto` picks on this CPU
     for name, (override, _) in BAD_INPUT.items():
         args = {"--ckpt": ckpt, "--prompt-ids": "5,17,99", "--mask-id": str(MASK)}
         args.update(zip(override[::2], override[1::2]))
@@ -349,8 +350,9 @@ def test_chat_keeps_the_conversation_and_reads_tau_per_reply(tmp_path):
     text2 = tok.decode([t for t in ids2 if t not in eos])
     stdin = "hello world\n/tau 0.5\n/tau abc\ntell me more\n/quit\n"
     p = subprocess.run([sys.executable, "generate.py", "--ckpt", str(tmp_path), "--chat", "--tau", "1",
-                        "--block-size", "4", "--max-new-tokens", "10"], cwd=ROOT, input=stdin, text=True,
-                       capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        "--block-size", "4", "--max-new-tokens", "10", "--dtype", "float32"], cwd=ROOT,
+                       input=stdin, text=True, capture_output=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr
     n1, n2 = len(ids1), len(ids2)  # tokens generated, EOS included: the count generate.py prints
     assert f"> {text1}\n[{n1} tokens, {len(counts1)} forwards," in p.stdout, p.stdout

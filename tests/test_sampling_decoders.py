@@ -239,8 +239,9 @@ def test_a_row_in_a_batch_equals_the_row_alone(pair, decoder, monkeypatch):
 # ---------------------------------------------------------------- command line and chat
 def cli(args, stdin=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "generate.py", *args], cwd=ROOT, env=env, text=True, input=stdin,
-                          capture_output=True, timeout=300)
+    # the references here are fp32: pin the dtype `auto` would pick by the CPU (util/precision.py)
+    return subprocess.run([sys.executable, "generate.py", *args, "--dtype", "float32"], cwd=ROOT, env=env,
+                          text=True, input=stdin, capture_output=True, timeout=300)
 
 
 def test_cli_temperature_is_the_api_output(pair):
