@@ -66,7 +66,9 @@ class Settings:
     # system
     seed: int = 0
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # compute dtype (autocast); auto = bfloat16 on CUDA, float32 on CPU; weights fp32
+    # compute dtype (autocast; weights fp32). auto = bf16 on CUDA and on CPUs with bf16 units
+    # (util/precision.py); the tiny default stays fp32: at width 128 bf16 does not pay on the CPU
+    dtype: str = "float32"
     #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
     compile: bool = False  # torch.compile
     gradient_checkpointing: bool = False

@@ -1,19 +1,23 @@
 """What a multi-token decoding step costs against an AR step (issue 22). Not a test.
 
-On one checkpoint, in one run, for each batch size: our AR decoder (generate.ar_decode),
-the τ-gated loop with the window cache (generate.mars_decode, MARS_SPEC §5-§6) and exact
-mode for each K (exact.exact_steps), all greedy. The decoders run interleaved (AR, τ,
-exact K=1, ..., then AR again), after one untimed warm-up round, on prompt r of the chat
-questions in round r, so a busy machine slows them alike; each number is the median over
-the rounds of one round's value.
+On one checkpoint, in one run, for each batch size and each --dtype (comma-separated: float32
+and bfloat16 side by side by default, each with its weights packed for oneDNN): our AR decoder
+(generate.ar_decode), the τ-gated loop with the window cache (generate.mars_decode, MARS_SPEC
+§5-§6) and exact mode for each K (exact.exact_steps), all greedy. The decoders run interleaved
+(each dtype's AR, τ, exact K=1, ..., then again), after one untimed warm-up round, on prompt r
+of the chat questions in round r, so a busy machine slows them alike; each number is the
+median over the rounds of one round's value.
 
   ms/fwd     seconds per forward, the prefill excluded (the mean over a run's later steps)
   x AR       that, over the same round's AR value: what a step costs in AR steps
   tok/fwd    generated tokens per row and forward: all rows' tokens / (forwards x rows)
   limit      the speedup if a step cost an AR step: tok/fwd over AR's (= 1 per row)
   speedup    wall clock, AR's seconds per token over the decoder's (prefill included)
+  x fp32     (AR rows) the first dtype's AR ms/fwd over this dtype's, same round: what the
+             dtype buys an AR step
 
-Exact mode must give AR's tokens: each row says so, and the script exits with status 1 if
+Every ratio but x fp32 is against the same dtype's AR. Exact mode must give that AR's tokens
+(in bf16 too: model.Linear, kvcache.py): each row says so, and the script exits with status 1 if
 one does not. --profile adds, at batch 1, where one decoder's forward goes (profiler, one
 run each): the linears, the LM head (the matmuls with V output columns), attention (sdpa),
 the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
@@ -22,7 +26,8 @@ left of the wall time (Python and dispatch); host syncs = item() calls per forwa
 from the weights packed for oneDNN (model.pack_for_decoding, which checkpoint.load_checkpoint
 applies; --unpacked drops the packed copies, so the decoders run on F.linear: the before / after).
 
-  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --profile --layouts
+  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --batch-sizes 1,4,16
+  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --dtype float32 --profile --layouts
 """
 
 import argparse
@@ -35,18 +40,18 @@ import torch
 from exact import exact_steps
 from generate import ar_decode, mars_decode
 from model import Linear, pack_for_decoding
-from scripts.common import QUESTIONS, add_model_args, ints, load_for_bench, machine, make_prompts
+from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
 
 
-def decoders(args, mask_id, eos_ids):
+def decoders(args, model, mask_id, eos_ids):
     """name -> prompts -> a greedy step generator, AR first (the reference of every ratio)."""
     n, B = args.new_tokens, args.block_size
-    out = {"our AR": lambda p: ar_decode(args.model, p, n, eos_ids)}
+    out = {"our AR": lambda p: ar_decode(model, p, n, eos_ids)}
     out[f"tau={args.tau} B={B} window"] = lambda p: mars_decode(
-        args.model, p, block_size=B, tau=args.tau, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+        model, p, block_size=B, tau=args.tau, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
     for K in args.drafts:
         out[f"exact K={K} B={B}"] = lambda p, K=K: exact_steps(
-            args.model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+            model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
     return out
 
 
@@ -77,28 +82,35 @@ def summarise(run, ar):
 
 
 def bench_batch(decs, tok, model, mask_id, batch, rounds):
-    """Interleaved rounds (the first a warm-up) -> name -> list of per-round summaries."""
-    out = {name: [] for name in decs}
+    """Interleaved rounds (the first a warm-up) -> (dtype, name) -> list of per-round summaries.
+    decs: dtype -> name -> decoder; the first dtype's AR is the reference of x fp32."""
+    out = {(dt, name): [] for dt in decs for name in decs[dt]}
+    first = next(iter(decs))
     for r in range(rounds + 1):
         prompts = make_prompts(tok, model.config.vocab_size, mask_id, batch + r)[r:]  # rotate the prompts
-        runs = {name: run_once(dec(prompts), batch) for name, dec in decs.items()}
+        runs = {(dt, name): run_once(dec(prompts), batch) for dt in decs for name, dec in decs[dt].items()}
         if r:
-            for name, run in runs.items():
-                out[name].append(summarise(run, runs["our AR"]))
+            for (dt, name), run in runs.items():
+                s = summarise(run, runs[dt, "our AR"])
+                s["x_first"] = statistics.mean(runs[first, "our AR"]["steps"]) / statistics.mean(run["steps"])
+                out[dt, name].append(s)
     return out
 
 
 def report(results, batch, rounds):
     print(f"batch {batch} (median of {rounds} interleaved rounds after a warm-up)")
-    print(f"  {'decoder':<24} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} {'speedup':>8}")
+    print(f"  {'dtype':<9} {'decoder':<24} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
+          f"{'speedup':>8} {'x fp32':>7}")
     differ = 0
-    for name, rs in results.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("fwd", "x_ar", "tpf", "limit", "speedup")}
+    for (dt, name), rs in results.items():
+        keys = ("fwd", "x_ar", "tpf", "limit", "speedup", "x_first")
+        med = {k: statistics.median(r[k] for r in rs) for k in keys}
         exact = name.startswith("exact")
         check = ("   == AR" if all(r["same"] for r in rs) else "   DIFFERS FROM AR") if exact else ""
         differ += exact and not all(r["same"] for r in rs)
-        print(f"  {name:<24} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
-              f"{med['limit']:6.2f} {med['speedup']:7.2f}x{check}")
+        x_first = f"{med['x_first']:6.2f}x" if name == "our AR" else ""
+        print(f"  {dt:<9} {name:<24} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
+              f"{med['limit']:6.2f} {med['speedup']:7.2f}x {x_first:>7}{check}")
     return differ
 
 
@@ -152,7 +164,7 @@ def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
                 group = layers if ws == "layers" else [model.lm_head]
                 for m in group:
                     m.packed = packed[id(m)] if way == "packed" else None
-                xs = {m.in_features: torch.randn(M, m.in_features) for m in group}
+                xs = {m.in_features: torch.randn(M, m.in_features).to(m.weight.dtype) for m in group}
                 t0 = time.perf_counter()
                 for m in group:
                     m(xs[m.in_features])
@@ -179,32 +191,44 @@ def main():
                    "rows through F.linear and from the packed weights (model.pack_for_decoding)")
     p.add_argument("--unpacked", action="store_true", help="drop the packed weights (F.linear on the "
                    "weights as stored): pack_for_decoding's before / after, in two runs")
-    add_model_args(p)
+    add_model_args(p, several_dtypes=True)
     args = p.parse_args()
-    ck = load_for_bench(args, "bench_decode_")
-    args.model = ck.model
-    if args.unpacked:
-        for m in ck.model.modules():
-            if isinstance(m, Linear):
-                m.packed = None
+    models = open_models(args)
+    ck = next(iter(models.values()))
     print(machine(args.device))
-    print(f"checkpoint {args.ckpt or ck.path + ' (random)'}: {ck.model.num_params() / 1e6:.1f}M params, "
-          f"{args.dtype}; greedy, {args.new_tokens} new tokens, prompts: "
-          f"{'the chat questions' if ck.tok else 'random ids'} ({len(QUESTIONS)}), rotated per round; "
-          f"matmuls {'F.linear (unpacked)' if args.unpacked else 'packed (model.pack_for_decoding)'}")
-    decs = decoders(args, ck.mask_id, ck.eos_ids)
+    print(f"checkpoint {args.ckpt}: {ck.model.num_params() / 1e6:.1f}M params; greedy, "
+          f"{args.new_tokens} new tokens, prompts: {'the chat questions' if ck.tok else 'random ids'} "
+          f"({len(QUESTIONS)}), rotated per round; matmuls "
+          f"{'F.linear (unpacked)' if args.unpacked else 'packed (model.pack_for_decoding)'}")
+    decs = {dt: decoders(args, c.model, c.mask_id, c.eos_ids) for dt, c in models.items()}
     differ = 0
     for batch in args.batch_sizes:
         differ += report(bench_batch(decs, ck.tok, ck.model, ck.mask_id, batch, args.rounds), batch,
                          args.rounds)
     if args.profile:
-        profile(decs, ck.tok, ck.model, ck.mask_id)
+        profile(next(iter(decs.values())), ck.tok, ck.model, ck.mask_id)
     if args.layouts:
         layouts(ck.model)
     if differ:
         print(f"{differ} exact decoder(s) differ from AR", file=sys.stderr)
         return 1
     return 0
+
+
+def open_models(args):
+    """--dtype's names -> the checkpoint opened in each (packed, unless --unpacked); the first
+    call makes the random tiny model when there is no --ckpt, the others open the same one."""
+    models = {}
+    for name in dtype_list(args.dtype):
+        ck = load_for_bench(args, "bench_decode_", name)
+        args.ckpt = args.ckpt or ck.path
+        if args.unpacked:
+            for m in ck.model.modules():
+                if isinstance(m, Linear):
+                    m.packed = None
+        dtype = str(next(ck.model.parameters()).dtype).removeprefix("torch.")
+        models[dtype if name != "auto" else f"auto={dtype}"] = ck
+    return models
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ its peak memory (§7). Both modes run the same rows (the AR stage's first steps 
 train.py), the same optimizer and code path (train.StageLoss); a step is forward +
 backward + clip + AdamW, timed as the median of --steps steps after --warmup steps.
 tokens/s counts the real tokens of the rows (padding excluded), as train.py logs.
+--dtype (comma-separated, float32,bfloat16 by default) runs every mode in each compute dtype
+(train.py's: autocast over fp32 weights, util/precision.py) on the same rows: x fp32 is the
+first dtype's step time over this one's, same mode.
 
     python -m scripts.bench_train                                # the default tiny config, CPU
     python -m scripts.bench_train --n_layer=8 --n_embd=256 --block_size=8 --modes=ar,mars,mars-noar
@@ -30,7 +33,7 @@ import torch
 import train
 from data.batches import batch_rows, make_batch
 from data.prepare import load_npz
-from scripts.common import machine
+from scripts.common import dtype_list, machine
 from settings import Settings, parse_settings
 from util.precision import autocast, compute_dtype
 
@@ -89,6 +92,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--modes", default="ar,mars", help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--dtype", default="float32,bfloat16", type=dtype_list,
+                   help="compute dtypes, comma-separated, each timed on the same rows")
     a, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
     modes = a.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
@@ -112,20 +117,23 @@ def main(argv=None):
     print(machine(str(device)))
     print(f"model: {model0.num_params() / 1e6:.2f}M params ({cfg.num_hidden_layers} layers, width "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}); data {S.data_dir}; batch {S.batch_size} rows "
-          f"(micro {S.micro_batch_size}); B={S.block_size}; dtype {S.dtype}; median of {a.steps} steps "
-          f"after {a.warmup}")
-    print(f"  {'mode':<10} {'ms/step':>9} {'x AR':>6} {'tokens/s':>10} {'us/token':>9} {'x AR':>6}"
-          + ("   peak GiB   x AR" if device.type == "cuda" else ""))
-    base = None
-    for m in modes:
-        stage, over = MODES[m]
-        dt, n_tok, peak = bench_mode(model0, replace(S, **over), stage, data, special, device, a.steps,
-                                     a.warmup)
-        base = base or (dt, dt / n_tok, peak)
-        mem = f"   {peak / 2**30:8.3f}  {peak / base[2]:5.2f}" if peak is not None else ""
-        print(f"  {m:<10} {1000 * dt:9.1f} {dt / base[0]:6.2f} {n_tok / dt:10.0f} {1e6 * dt / n_tok:9.2f} "
-              f"{dt / n_tok / base[1]:6.2f}{mem}", flush=True)
-    print(f"  (x AR: against the first of --modes, {modes[0]})")
+          f"(micro {S.micro_batch_size}); B={S.block_size}; median of {a.steps} steps after {a.warmup}")
+    print(f"  {'dtype':<9} {'mode':<10} {'ms/step':>9} {'x AR':>6} {'tokens/s':>10} {'us/token':>9} "
+          f"{'x AR':>6} {'x fp32':>7}" + ("   peak GiB   x AR" if device.type == "cuda" else ""))
+    first = {}
+    for name in a.dtype:
+        dtype = str(compute_dtype(name, device)).removeprefix("torch.")
+        base = None
+        for m in modes:
+            stage, over = MODES[m]
+            dt, n_tok, peak = bench_mode(model0, replace(S, dtype=dtype, **over), stage, data, special,
+                                         device, a.steps, a.warmup)
+            base, ref = base or (dt, dt / n_tok, peak), first.setdefault(m, dt)
+            mem = f"   {peak / 2**30:8.3f}  {peak / base[2]:5.2f}" if peak is not None else ""
+            print(f"  {dtype:<9} {m:<10} {1000 * dt:9.1f} {dt / base[0]:6.2f} {n_tok / dt:10.0f} "
+                  f"{1e6 * dt / n_tok:9.2f} {dt / n_tok / base[1]:6.2f} {ref / dt:6.2f}x{mem}", flush=True)
+    print(f"  (x AR: against the first of --modes, {modes[0]}, same dtype; x fp32: the first dtype's "
+          "step over this one's, same mode)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch
 from checkpoint import load_checkpoint
 from model import Qwen2, Qwen2Config, init_weights
 from util.files import USER_ERRORS, error_line
+from util.precision import choose_dtype, cpu_bf16_units
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -76,11 +77,22 @@ def timed(fn, repeats, device):
 
 
 def machine(device):
-    """One line naming the hardware and software the numbers were measured on."""
+    """One line naming the hardware and software the numbers were measured on (on the CPU its
+    model name and whether it has bf16 units: which dtype `auto` picks)."""
     hw = torch.cuda.get_device_name(device) if device.startswith("cuda") else (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+        f"{cpu_name()}, {os.cpu_count()} CPUs; {cpu_bf16_units()[1]}")
     return (f"machine: {device} ({hw}), torch {torch.__version__} with {torch.get_num_threads()} "
             f"thread(s), Python {platform.python_version()}, {platform.platform()}")
+
+
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return names[0]
+    except (OSError, IndexError):
+        return platform.processor() or platform.machine()
 
 
 def floats(text):
@@ -91,15 +103,29 @@ def ints(text):
     return [int(x) for x in text.split(",")]
 
 
-def add_model_args(p):
-    """The options every benchmark shares: mask id, device, dtype, threads."""
+def add_model_args(p, several_dtypes=False):
+    """The options every benchmark shares: mask id, device, dtype (one, or with several_dtypes
+    a comma-separated list timed side by side, float32,bfloat16 by default), threads."""
     p.add_argument("--mask-id", type=int, help="default: the tokenizer's <|mask|>, else vocab_size-1")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    how = "auto: bf16 where the device has bf16 units (util/precision.py)"
+    if several_dtypes:
+        p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated dtypes; " + how)
+    else:
+        p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
+                       help=how)
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
-def load_for_bench(args, prefix):
+def dtype_list(text):
+    """--dtype of the benchmarks that compare dtypes side by side: names, comma-separated."""
+    names = text.split(",")
+    for name in names:
+        choose_dtype(name, "cpu")  # an unknown name is an error naming it
+    return names
+
+
+def load_for_bench(args, prefix, dtype=None):
     """Apply --threads and open --ckpt (or a fresh random tiny model) with the checkpoint
     opener -> checkpoint.Checkpoint; its mask_id is --mask-id, else the checkpoint's, else
     vocab_size-1 (a random model)."""
@@ -107,7 +133,7 @@ def load_for_bench(args, prefix):
         torch.set_num_threads(args.threads)
     ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix=prefix))
     try:
-        ck = load_checkpoint(ckpt, args.device, getattr(torch, args.dtype))
+        ck = load_checkpoint(ckpt, args.device, choose_dtype(dtype or args.dtype, args.device)[0])
     except USER_ERRORS as e:  # a broken checkpoint: a message, not a traceback
         raise SystemExit(error_line(e)) from None
     if args.mask_id is not None:
