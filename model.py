@@ -172,12 +172,11 @@ class Linear(nn.Linear):
     was packed from (same storage, no in-place change since): otherwise, and always in
     training, this is F.linear.
 
-    Row invariance in bf16: exact mode is exact only if a decoding row comes out bitwise the
-    same alone (an AR step) or among a step's rows (the verification). oneDNN and MKL give
-    each row of an M-row product the same bits for every M >= 2, but run one row through
-    another kernel (summation order): on an AMD EPYC a one-row bf16 product over 1536 inputs
-    (down_proj) differs in the last bit, which a bf16 output keeps (tests/test_bf16.py). So
-    without gradients one bf16 row is computed as two equal rows (the same weight traffic)."""
+    Row invariance in bf16: exact mode is exact only if a decoding row has the same bits alone
+    (an AR step) or among a step's rows (the verification). The CPU kernels give a row the same
+    bits for every row count >= 2 in a matmul (>= 4 query rows in attention, `attend`), not
+    for fewer: on an AMD EPYC the last bit differs, which a bf16 output keeps. So without
+    gradients one bf16 row is computed as two (tests/test_bf16.py; same weight traffic)."""
 
     packed = None  # (weight key, packed tensor), set by pack_for_decoding
     # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
@@ -200,7 +199,7 @@ class Linear(nn.Linear):
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose outputs round a summation order visibly
-
+MIN_QUERIES = 4  # in these dtypes attention runs on at least this many query rows (see attend)
 
 def _weight_key(w):
     """What identifies a weight's values cheaply: its storage and in-place version counter."""
@@ -262,6 +261,13 @@ def attend(q, k, v, mask, scale):
         # back to its slow math path): share the kv heads by copying them instead
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    T = q.shape[2]
+    if T < MIN_QUERIES and q.dtype in LOW_PRECISION and not torch.is_grad_enabled():
+        pad = MIN_QUERIES - T  # row invariance (see Linear): copies of the first row, dropped after
+        q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
+        if isinstance(mask, torch.Tensor):
+            mask = torch.cat([mask, mask[:, :, :1].expand(-1, -1, pad, -1)], 2)
+        return attend(q, k, v, mask, scale)[:, :, :T]
     causal = isinstance(mask, str)  # CAUSAL
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
@@ -456,22 +462,16 @@ def _weight_files(path):
 
 def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     """Give every fp32 or bf16 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
-    (torch.ops.mkldnn: the ops torch.compile's CPU weight prepacking uses when the row count is
-    not known in advance); in place, returns the model. checkpoint.load_checkpoint (the
-    decoders' opener) calls it. `rows` is the row count oneDNN picks its layout for; any row
-    count then runs on it.
+    (the ops torch.compile's CPU prepacking uses when the row count varies); in place, returns
+    the model; checkpoint.load_checkpoint calls it. `rows`: the row count oneDNN lays it out for.
 
-    Why: for the 1-20 rows of a decoding step, MKL's sgemm through F.linear takes 1.3-2x one
-    row's time at 4-9 rows; from the packed copy 4-9 rows cost about what one row does, and
-    one row less than through F.linear (SmolLM2-135M, 2 CPU threads: results/SPEED.md, issue
-    22). Nothing else changes: the Parameters, their names, values and the head/embedding tie
-    stay, training and gradients use F.linear (`Linear.forward`), and a weight changed after
-    packing is read through F.linear again. The price is a second copy of every weight matrix
-    in memory (the tied head's too), and oneDNN's buffers for each row count it has run (about
-    220 MB for SmolLM2 at 1-64 rows; `Linear.packed_max_rows` caps it: larger forwards take
-    F.linear). Packed in fp32 and bf16, on the CPU, where this torch has oneDNN; anything else
-    is left as it is. Results differ from F.linear's by rounding (another summation order):
-    tests/test_fast_paths.py (fp32), tests/test_bf16.py (bf16)."""
+    Why: from the packed copy the 1-20 rows of a decoding step cost about one row's time, one
+    row less than through F.linear (SmolLM2, 2 threads: results/SPEED.md, issue 22 and 30).
+    Parameters, names, values and the head tie stay; training, gradients and a weight changed
+    since packing use F.linear. The price: a second copy of every weight matrix, and oneDNN's
+    buffers per row count (~220 MB for SmolLM2; larger forwards than `Linear.packed_max_rows`
+    take F.linear). Results differ from F.linear's by rounding only: tests/test_fast_paths.py
+    (fp32), tests/test_bf16.py (bf16)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
     with torch.no_grad():

