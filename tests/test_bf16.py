@@ -142,6 +142,20 @@ def test_packed_bf16_equals_f_linear_and_hf_bf16(tmp_path):
 
 # ----------------------------------------------------------------------------- exact mode
 @torch.no_grad()
+def alone_and_among(model, seq, T, mask_id):
+    """The logits of seq's last token (1) as an AR step on the cache of the rest, and (2) as row 0
+    of a T-row step over the same cache, the others masks under a causal mask (as exact mode's
+    c_0 among its drafts and masks)."""
+    n = seq.shape[1]
+    one, many = KVCache.for_model(model, 1, n + T), KVCache.for_model(model, 1, n + T)
+    for cache in (one, many):
+        model(seq[:, :-1], cache=cache)
+        cache.commit(n - 1)
+    step = torch.cat([seq[:, -1:], torch.full((1, T - 1), mask_id)], 1)
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    return model(seq[:, -1:], cache=one)[0, 0], model(step, attn_mask=causal, cache=many)[0, 0]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_alone_is_the_row_among_others(threads):
     """The model's decoding step, the claim exact mode rests on: an AR step (one new token on
@@ -155,13 +169,7 @@ def test_a_row_alone_is_the_row_among_others(threads):
     for n in (4, 9, 30, 63, 64, 70):
         prefix = torch.randint(0, MASK, (1, n), generator=g)
         for T in (2, 3, 4, 6, 9):
-            one, many = KVCache.for_model(model, 1, n + T), KVCache.for_model(model, 1, n + T)
-            for cache in (one, many):
-                model(prefix[:, :-1], cache=cache)
-                cache.commit(n - 1)
-            alone = model(prefix[:, -1:], cache=one)[0, 0]
-            step = torch.cat([prefix[:, -1:], torch.full((1, T - 1), MASK)], 1)
-            among = model(step, attn_mask=torch.tril(torch.ones(T, T, dtype=torch.bool)), cache=many)[0, 0]
+            alone, among = alone_and_among(model, prefix, T, MASK)
             assert torch.equal(alone, among), (n, T)
 
 
@@ -212,7 +220,6 @@ def smollm2_bf16(smollm2_dir):
     return model, prompts, tok.mask_id
 
 
-@torch.no_grad()
 def test_smollm2_row_alone_is_the_row_among_others(smollm2_bf16):
     """The row-invariance claim on the real model, where random tiny models do not reach it:
     before attention ran on at least 4 query rows (model.MIN_QUERIES), 17 of 36 such rows of
@@ -221,17 +228,9 @@ def test_smollm2_row_alone_is_the_row_among_others(smollm2_bf16):
     for prompt in prompts:
         for extra in (0, 23):  # the prompt, then 23 tokens on (the key span crosses 64 slots)
             seq = torch.tensor([prompt + list(range(300, 300 + extra))])
-            n = seq.shape[1]
             for T in (2, 3, 4):
-                one, many = KVCache.for_model(model, 1, n + T), KVCache.for_model(model, 1, n + T)
-                for cache in (one, many):
-                    model(seq[:, :-1], cache=cache)
-                    cache.commit(n - 1)
-                alone = model(seq[:, -1:], cache=one)[0, 0]
-                step = torch.cat([seq[:, -1:], torch.full((1, T - 1), mask_id)], 1)
-                causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
-                among = model(step, attn_mask=causal, cache=many)[0, 0]
-                assert torch.equal(alone, among), (n, T)
+                alone, among = alone_and_among(model, seq, T, mask_id)
+                assert torch.equal(alone, among), (seq.shape[1], T)
 
 
 def test_smollm2_exact_mode_in_bf16_is_bf16_ar(smollm2_bf16):
