@@ -41,7 +41,7 @@ def choose_dtype(name, device):
     if name not in DTYPES + ("float16",):
         raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
     if name != "auto":
-        return getattr(torch, name), "as asked"
+        return getattr(torch, name), "as set"
     if device.type == "cuda":
         return torch.bfloat16, "auto: CUDA"
     if device.type != "cpu":
