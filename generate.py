@@ -406,8 +406,8 @@ def run(args):
     if args.tau is not None:
         check_tau(args.tau, sampling.accept_metric)
     dtype, why = choose_dtype(args.dtype, args.device)
-    print(f"[{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)
     ck = load_checkpoint(args.ckpt, args.device, dtype)
+    print(f"[{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)  # said once it loaded
     args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")
