@@ -1,6 +1,6 @@
 """Varied real prompts, and held-out human-written text, from this machine's Python (issue 15).
 
-Self-distillation (scripts/real_model.py) needs many prompts of many shapes, and an
+Self-distillation (scripts/real_model/) needs many prompts of many shapes, and an
 honest quality check needs text that no model wrote. Both come from the Python
 standard library, which every machine that runs this repository has:
 
@@ -23,7 +23,7 @@ paragraphs (the NLL check's text) appear in no prompt at all. The "chat" split i
 general chat prompts written here (facts, how-to, rewriting, lists), unlike every
 source above: the evaluation's prompts far from the training data. Everything is a pure function of
 (seed, sizes) on one Python version (the stdlib is the data: another version gives other
-prompts; scripts/real_model.py records the version in its stage key).
+prompts; scripts/real_model/ records the version in its stage key).
 
 What this module does not know: tokens and models. Lengths are bounded in words here;
 the pipeline drops prompts that are too long in tokens.

@@ -185,7 +185,7 @@ def test_tokens_target_makes_no_teacher_and_keeps_the_ce(tmp_path):
 
 
 def test_replies_stage_teacher_is_the_top_k_of_the_models_distribution(tmp_path):
-    """scripts/real_model.teacher_topk against HF's float64 softmax of the same weights: the k
+    """scripts/real_model/replies.teacher_topk against HF's float64 softmax of the same weights: the k
     largest log-probabilities (float16) at their ids, and the rest's mass, before each target."""
     from scripts.real_model.replies import teacher_topk
 
