@@ -63,7 +63,7 @@ from exact import check_exact, exact_steps
 from kvcache import KVCache
 from sampling import GREEDY, METRICS, Sampling, confident, row_generators
 from util.files import USER_ERRORS, error_line
-from util.precision import choose_dtype
+from util.precision import choose_dtype, dtype_name
 
 CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
@@ -407,7 +407,7 @@ def run(args):
         check_tau(args.tau, sampling.accept_metric)
     dtype, why = choose_dtype(args.dtype, args.device)
     ck = load_checkpoint(args.ckpt, args.device, dtype)
-    print(f"[{str(dtype).removeprefix('torch.')}: {why}]", file=sys.stderr)  # said once it loaded
+    print(f"[{dtype_name(dtype)}: {why}]", file=sys.stderr)  # said once it loaded
     args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")

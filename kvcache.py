@@ -31,15 +31,21 @@ max(lengths) + T; padded to whole blocks, the row comes out bitwise the same
 
 import torch
 
-KEY_BLOCK = 64  # bf16/fp16: attention reads whole blocks of this many key slots
+from util.precision import LOW_PRECISION
+
+KEY_BLOCK = 64  # LOW_PRECISION: attention reads whole blocks of this many key slots
+
+
+def round_up(n, block):
+    return -(-n // block) * block
 
 
 class KVCache:
     def __init__(self, n_layers, batch_size, n_kv_heads, head_dim, max_len,
                  dtype=torch.float32, device="cpu"):
-        self.key_block = KEY_BLOCK if dtype in (torch.bfloat16, torch.float16) else 1
-        padded = -(-max_len // self.key_block) * self.key_block  # room for the last padded span
-        shape = (n_layers, batch_size, n_kv_heads, padded, head_dim)
+        self.key_block = KEY_BLOCK if dtype in LOW_PRECISION else 1
+        # room for the last padded span
+        shape = (n_layers, batch_size, n_kv_heads, round_up(max_len, self.key_block), head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -64,7 +70,7 @@ class KVCache:
         if hi + T > self.max_len:
             raise ValueError(f"KV cache overflow: need {hi + T} slots, allocated max_len={self.max_len}")
         self.T, self.end, self.at = T, hi + T, lo if lo == hi else None
-        self.span = -(-self.end // self.key_block) * self.key_block
+        self.span = round_up(self.end, self.key_block)
         self.slots = None if lo == hi else self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
     def write(self, layer, k_new, v_new):

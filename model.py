@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from util.atomic import atomic_write, write_json
 from util.files import BadFileError, check_fields, open_safetensors, read_json_object
+from util.precision import LOW_PRECISION, dtype_name
 
 # config.json model_type -> whether q/k/v carry biases (the only difference we model)
 MODEL_TYPES = {"qwen2": True, "a2d-qwen2": True, "llama": False}
@@ -173,10 +174,9 @@ class Linear(nn.Linear):
     training, this is F.linear.
 
     Row invariance in bf16: exact mode is exact only if a decoding row has the same bits alone
-    (an AR step) or among a step's rows (the verification). The CPU kernels give a row the same
-    bits for every row count >= 2 in a matmul (>= 4 query rows in attention, `attend`), not
-    for fewer: on an AMD EPYC the last bit differs, which a bf16 output keeps. So without
-    gradients one bf16 row is computed as two (tests/test_bf16.py; same weight traffic)."""
+    (an AR step) or among a step's rows. CPU kernels give a row the same bits at every row count
+    >= 2 (>= 4 query rows in `attend`), not below: on an AMD EPYC a bf16 output keeps the last
+    bit's difference. So without gradients one bf16 row runs as two (tests/test_bf16.py)."""
 
     packed = None  # (weight key, packed tensor), set by pack_for_decoding
     # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
@@ -187,8 +187,7 @@ class Linear(nn.Linear):
     def forward(self, x):
         if torch.is_grad_enabled() or x.dtype not in LOW_PRECISION or x.numel() != x.shape[-1]:
             return self.product(x)
-        two = x.reshape(1, -1).expand(2, -1).contiguous()  # (2, C): the one row, twice
-        return self.product(two)[:1].reshape(*x.shape[:-1], -1)
+        return self.product(padded(x.reshape(1, -1), 2, 0))[:1].reshape(*x.shape[:-1], -1)  # as 2 rows
 
     def product(self, x):
         p = self.packed
@@ -197,9 +196,6 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose outputs round a summation order visibly
-MIN_QUERIES = 4  # in these dtypes attention runs on at least this many query rows (see attend)
 
 def _weight_key(w):
     """What identifies a weight's values cheaply: its storage and in-place version counter."""
@@ -246,6 +242,15 @@ class TwoStreamMask:
     rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
 
 
+MIN_QUERIES = 4  # in LOW_PRECISION attention runs on at least this many query rows (see attend)
+
+
+def padded(x, n, dim):
+    """x and copies of its first row along `dim`, n rows: Linear's and attend's row padding."""
+    shape = x.shape[:dim] + (n - x.shape[dim],) + x.shape[dim + 1:]
+    return torch.cat([x, x.narrow(dim, 0, 1).expand(shape)], dim)
+
+
 def attend(q, k, v, mask, scale):
     """Attention of q (N, nh, T, hd) over k, v (N, nkv, S, hd) -> (N, nh, T, hd), each kv
     head shared by nh / nkv query heads (grouped-query attention). The softmax runs in
@@ -261,13 +266,9 @@ def attend(q, k, v, mask, scale):
         # back to its slow math path): share the kv heads by copying them instead
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    T = q.shape[2]
-    if T < MIN_QUERIES and q.dtype in LOW_PRECISION and not torch.is_grad_enabled():
-        pad = MIN_QUERIES - T  # row invariance (see Linear): copies of the first row, dropped after
-        q = torch.cat([q, q[:, :, :1].expand(-1, -1, pad, -1)], 2)
-        if isinstance(mask, torch.Tensor):
-            mask = torch.cat([mask, mask[:, :, :1].expand(-1, -1, pad, -1)], 2)
-        return attend(q, k, v, mask, scale)[:, :, :T]
+    if q.shape[2] < MIN_QUERIES and q.dtype in LOW_PRECISION and not torch.is_grad_enabled():
+        mask = padded(mask, MIN_QUERIES, 2) if isinstance(mask, torch.Tensor) else mask  # row invariance
+        return attend(padded(q, MIN_QUERIES, 2), k, v, mask, scale)[:, :, :q.shape[2]]
     causal = isinstance(mask, str)  # CAUSAL
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
@@ -431,7 +432,7 @@ class Qwen2(nn.Module):
         atomic_write(os.path.join(path, "model.safetensors"),
                      lambda f: save_file(state, f.name, metadata={"format": "pt"}), mode="wb")
         d = self.config.to_hf_dict()
-        d["torch_dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
+        d["torch_dtype"] = dtype_name(next(self.parameters()).dtype)
         write_json(os.path.join(path, "config.json"), d)
 
     def num_params(self):
@@ -470,8 +471,7 @@ def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     Parameters, names, values and the head tie stay; training, gradients and a weight changed
     since packing use F.linear. The price: a second copy of every weight matrix, and oneDNN's
     buffers per row count (~220 MB for SmolLM2; larger forwards than `Linear.packed_max_rows`
-    take F.linear). Results differ from F.linear's by rounding only: tests/test_fast_paths.py
-    (fp32), tests/test_bf16.py (bf16)."""
+    take F.linear). Results differ from F.linear's by rounding only (tests/test_fast_paths, test_bf16)."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
     with torch.no_grad():

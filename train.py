@@ -50,7 +50,7 @@ from settings import RESUME_FREE, Settings, parse_settings
 from util.atomic import recover_dir, replace_dir, write_json
 from util.files import USER_ERRORS, error_line
 from util.memory import memory_parts
-from util.precision import autocast, choose_dtype, weight_dtype
+from util.precision import autocast, choose_dtype, dtype_name, weight_dtype
 from util.runlog import STAGES, RunLog, plot_losses
 
 
@@ -327,9 +327,9 @@ def build_model(r, state):
     model.gradient_checkpointing = S.gradient_checkpointing
     r.say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
           f"{cfg.vocab_size}; {len(data['train']['offsets']) - 1} train rows; {r.world} process(es) on "
-          f"{r.device}, {str(dtype).removeprefix('torch.')} ({why})")
+          f"{r.device}, {dtype_name(dtype)} ({why})")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
-        r.say(memory_report(cfg, replace(S, dtype=str(dtype).removeprefix("torch.")), r.world))
+        r.say(memory_report(cfg, replace(S, dtype=dtype_name(dtype)), r.world))
     if S.freeze_vocab and not cfg.tie_word_embeddings:
         model.lm_head.weight.requires_grad_(False)  # keep_mask_row does the embedding
     r.model, r.net, r.amp = model, StageLoss(model, S, special["mask"]), autocast(r.device, dtype)

@@ -41,6 +41,7 @@ from exact import exact_steps
 from generate import ar_decode, mars_decode
 from model import Linear, pack_for_decoding
 from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
+from util.precision import dtype_name
 
 
 def decoders(args, model, mask_id, eos_ids):
@@ -226,7 +227,7 @@ def open_models(args):
             for m in ck.model.modules():
                 if isinstance(m, Linear):
                     m.packed = None
-        dtype = str(next(ck.model.parameters()).dtype).removeprefix("torch.")
+        dtype = dtype_name(next(ck.model.parameters()).dtype)
         models[dtype if name != "auto" else f"auto={dtype}"] = ck
     return models
 

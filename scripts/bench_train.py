@@ -35,7 +35,7 @@ from data.batches import batch_rows, make_batch
 from data.prepare import load_npz
 from scripts.common import dtype_list, machine
 from settings import Settings, parse_settings
-from util.precision import autocast, compute_dtype
+from util.precision import autocast, compute_dtype, dtype_name
 
 MODES = {  # name -> (train.py stage, setting overrides)
     "ar": ("ar", {}),
@@ -122,7 +122,7 @@ def main(argv=None):
           f"{'x AR':>6} {'x fp32':>7}" + ("   peak GiB   x AR" if device.type == "cuda" else ""))
     first = {}
     for name in a.dtype:
-        dtype = str(compute_dtype(name, device)).removeprefix("torch.")
+        dtype = dtype_name(compute_dtype(name, device))
         base = None
         for m in modes:
             stage, over = MODES[m]

@@ -22,6 +22,14 @@ from contextlib import nullcontext
 import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float64")
+# dtypes whose outputs keep the last-bit difference of two summation orders (model.Linear,
+# model.attend and kvcache.py make a decoding row's bits independent of the rows beside it)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def dtype_name(dtype):
+    """torch.bfloat16 -> "bfloat16", as settings, configs and logs spell it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def cpu_bf16_units():
