@@ -3,7 +3,7 @@
 "auto" picks what the hardware computes fastest without changing the method: bfloat16 on
 CUDA, and on the CPU bfloat16 where it has bf16 matmul units (Intel AMX, or AVX512-BF16 as on
 AMD Zen 4 and later Xeons), float32 elsewhere. The difference is large both ways: on a 2-core
-AMD EPYC with AVX512-BF16 (no AMX) a bf16 matmul of SmolLM2's shapes runs 1.4-3.7x faster than
+AMD EPYC with AVX512-BF16 (no AMX) a bf16 matmul of SmolLM2's shapes runs 1.4-4x faster than
 fp32 (results/SPEED.md, "bf16 on the CPU"); on a Xeon with AMX up to 7x; on a CPU with neither,
 oneDNN emulates bf16 and it is many times slower than fp32. The check asks torch (cpuinfo),
 not /proc. `--dtype float32` (or bfloat16) overrides it everywhere.
