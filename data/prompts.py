@@ -13,17 +13,24 @@ standard library, which every machine that runs this repository has:
   facts       small real tables: HTTP status codes, errno names, keywords, file
               extensions, pairs of functions of one module ("What is the difference")
 
-Splits are by a COARSE source key, not by prompt (`group_of`): every api item and
-paragraph is assigned to "train", "heldout" or "human" by a seeded hash of its group: the
-family of its module (math with cmath and statistics, gzip with bz2, lzma and zlib, ...),
-the topic a paragraph comes from (its sibling paragraphs go with it), the table and
-bucket of a fact (HTTP 4xx together). So a held-out prompt shares no function, module
-family, topic or near-duplicate source with a training prompt, and the "human"
-paragraphs (the NLL check's text) appear in no prompt at all. The "chat" split is
-general chat prompts written here (facts, how-to, rewriting, lists), unlike every
-source above: the evaluation's prompts far from the training data. Everything is a pure function of
-(seed, sizes) on one Python version (the stdlib is the data: another version gives other
-prompts; scripts/real_model/ records the version in its stage key).
+Splits are by CLUSTER, not by prompt (issue 33). Every source has a coarse group
+(`group_of`): the family of its module (math with cmath and statistics, gzip with bz2, lzma
+and zlib, ...), the topic a paragraph comes from (its sibling paragraphs go with it), the
+table and bucket of a fact (HTTP 4xx together). Groups are then joined into clusters
+whenever two of their items carry near-duplicate text (word Jaccard >= 0.8 of the docstring,
+paragraph or table entry a prompt carries: `near_duplicates`, `clusters`): the docstring
+"Common base class for all non-exit exceptions." of a dozen modules' exceptions makes them
+one cluster. A seeded hash of the cluster puts all of its prompts in "train", "val" or
+"test", or its paragraphs in "human" (`split_of`; a cluster of more than BIG items is
+train). So a test prompt shares no function, module family, topic or near-duplicate text
+with a training or validation prompt, and the human paragraphs (the NLL check's text) come
+from clusters with no prompt at all. Val, test and human are spread round-robin over their
+clusters (`spread`), so no one cluster fills them; every item names its cluster ("group"):
+the unit a bootstrap resamples. The "chat" split is general chat prompts written here
+(facts, how-to, rewriting, lists), unlike every source above: the evaluation's prompts far
+from the training data. Everything is a pure function of (seed, sizes) on one Python
+version (the stdlib is the data: another version gives other prompts; scripts/real_model/
+records the version in its stage key).
 
 What this module does not know: tokens and models. Lengths are bounded in words here;
 the pipeline drops prompts that are too long in tokens.
@@ -34,11 +41,14 @@ import hashlib
 import http
 import importlib
 import inspect
+import itertools
 import keyword
+import math
 import mimetypes
 import random
 import re
 import warnings
+from collections import Counter, defaultdict
 
 MODULES = (
     "abc argparse array ast asyncio base64 binascii bisect builtins bz2 calendar cmath codecs colorsys "
@@ -51,7 +61,11 @@ MODULES = (
     "typing unicodedata unittest urllib.parse urllib.request uuid warnings weakref xml.etree.ElementTree "
     "zipfile zlib zoneinfo"
 ).split()
-SPLITS = ("train", "heldout", "human")
+SPLITS = ("train", "val", "test", "human")
+HELD_OUT = ("human", "test", "val")  # the held-out splits, by the share of clusters each gets
+FRACTIONS = {"human": 0.2, "test": 0.2, "val": 0.2}  # of the clusters of at most BIG items
+BIG = 60  # a larger cluster is train: held out, it would take many training rows and fill a split alone
+NEAR_DUPLICATE = 0.8  # word Jaccard at or above which two prompts' contents are one text
 # modules whose functions are near-duplicates of each other's: one group, one split
 FAMILIES = {
     "compress": "bz2 gzip lzma zlib zipfile tarfile",
@@ -215,24 +229,22 @@ def paragraph_items(modules=MODULES):
 
 
 def fact_questions():
-    """Short questions about small real tables, [(key, text)] in a fixed order."""
-    qs = [
-        (f"http:{s.value}", f"What does the HTTP status code {s.value} ({s.phrase}) mean?")
-        for s in http.HTTPStatus
-    ]
-    qs += [
-        (f"errno:{n}", f"What does the error {n} mean when a program reports it?")
-        for n in sorted(errno.errorcode.values())
-    ]
-    qs += [(f"kw:{k}", f"What is the `{k}` keyword used for in Python?") for k in keyword.kwlist]
+    """Short questions about small real tables, [(key, text, content)] in a fixed order; content
+    is the table's entry the question carries (what the near-duplicate test compares)."""
+    qs = [(f"http:{s.value}", f"What does the HTTP status code {s.value} ({s.phrase}) mean?",
+           f"{s.value} {s.phrase}") for s in http.HTTPStatus]
+    qs += [(f"errno:{n}", f"What does the error {n} mean when a program reports it?", n)
+           for n in sorted(errno.errorcode.values())]
+    qs += [(f"kw:{k}", f"What is the `{k}` keyword used for in Python?", k) for k in keyword.kwlist]
     types = mimetypes.MimeTypes().types_map[True]
-    qs += [(f"ext:{e}", f"What kind of file has the extension {e} ({types[e]})?") for e in sorted(types)]
+    qs += [(f"ext:{e}", f"What kind of file has the extension {e} ({types[e]})?", f"{e} {types[e]}")
+           for e in sorted(types)]
     return qs
 
 
 # ----------------------------------------------------------------------------- splits and prompts
 def group_of(key):
-    """The coarse source group of a key, the unit of the split: near-duplicates share one.
+    """The coarse source group of a key: near-duplicates by construction share one.
     api:M.f and moddoc:M -> M's family; topic:T#i -> topic:T; pair:a|b -> a's module family;
     http:404 -> http:4xx; errno:ENOENT -> errno:EN; ext:.png -> ext:p; kw:if -> kw."""
     kind, _, rest = key.partition(":")
@@ -247,66 +259,144 @@ def group_of(key):
             "ext": lambda: f"ext:{rest[1:2]}"}.get(kind, lambda: kind)()
 
 
-def split_of(key, seed, heldout_frac=0.1, human_frac=0.1):
-    """The split of a source key: a seeded hash of its group (group_of), so it never depends
-    on what else exists. human_frac = 0 for sources that are prompts only (not paragraphs):
-    the same hash, so a group held out is held out for every kind of source."""
-    u = int.from_bytes(hashlib.sha256(f"{seed}:{group_of(key)}".encode()).digest()[:8], "little") / 2**64
-    return "heldout" if u < heldout_frac else "human" if u < heldout_frac + human_frac else "train"
+def content_words(text):
+    """The words the near-duplicate test compares: split on whitespace, names in backticks left
+    out (two prompts of one template about two names are not one text twice)."""
+    return frozenset(w for w in text.split() if "`" not in w)
 
 
-def candidates(seed):
-    """Every (source key, kind, prompt text) of every split -> {split: [dict, ...]} in a fixed
-    order. The "human" split holds paragraphs only, as texts to score, never as prompts."""
+def near_duplicates(texts, threshold=NEAR_DUPLICATE):
+    """Every pair (i, j), i < j, of texts whose content_words have Jaccard >= threshold (an empty
+    set has none). Prefix filtering: with each set's words ordered rarest first, two sets with
+    J >= t share a word among either one's first n - ceil(t n) + 1 (their overlap is at least
+    t |A u B| >= t n), so only pairs sharing such a word are compared, exactly."""
+    sets = [content_words(t) for t in texts]
+    freq = Counter(w for s in sets for w in s)
+    index, pairs = defaultdict(list), set()
+    for i, s in enumerate(sets):
+        words_ = sorted(s, key=lambda w: (freq[w], w))
+        prefix = words_[:len(words_) - math.ceil(threshold * len(words_)) + 1]
+        for j in {j for w in prefix for j in index[w]}:
+            inter = len(s & sets[j])
+            if inter >= threshold * (len(s) + len(sets[j]) - inter):
+                pairs.add((j, i))
+        for w in prefix:
+            index[w].append(i)
+    return sorted(pairs)
+
+
+def clusters(items, threshold=NEAR_DUPLICATE):
+    """group -> its cluster: groups (group_of) joined whenever an item of one is a near-duplicate
+    of an item of another (their "content": the docstring, paragraph or table entry a prompt
+    carries), transitively (union-find). A cluster is named by its smallest group."""
+    parent = {}
+
+    def root(g):
+        while parent.get(g, g) != g:
+            g = parent[g]
+        return g
+    for i, j in near_duplicates([it["content"] for it in items], threshold):
+        a, b = root(group_of(items[i]["key"])), root(group_of(items[j]["key"]))
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return {group_of(it["key"]): root(group_of(it["key"])) for it in items}
+
+
+def split_of(cluster, size, seed, paragraphs=True):
+    """The split of a cluster (all its prompts and paragraphs): a seeded hash of its name, so it
+    never depends on what else exists. A cluster of more than BIG items is "train" (held out, it
+    would take many training rows and fill a split alone); "human" only for a cluster with
+    paragraphs (its text is what the NLL check scores)."""
+    u = int.from_bytes(hashlib.sha256(f"{seed}:{cluster}".encode()).digest()[:8], "little") / 2**64
+    if size > BIG:
+        return "train"
+    held = [s for s in HELD_OUT if paragraphs or s != "human"]
+    edges = dict(zip(held, itertools.accumulate(FRACTIONS[s] for s in held)))
+    return next((s for s in held if u < edges[s]), "train")
+
+
+def sources(seed):
+    """Every candidate of every split, before the split: [{"key", "kind", "text", "content"}]
+    (paragraphs also "p" and "about": the human text), in a fixed order."""
     rng = random.Random(seed)
-    out = {s: [] for s in SPLITS}
-    api = api_items()
+    out, api = [], api_items()
     for it in api:
-        split = split_of(it["key"], seed, human_frac=0)  # human text is paragraphs only
         for kind, tpls in API_TEMPLATES.items():
-            text = rng.choice(tpls).format(
-                q=it["q"],
-                sig=it["sig"],
-                doc=it["doc"],
-                sig_part=f" (signature `{it['sig']}`)" if it["sig"] else "",
-            )
-            if split != "human":
-                out[split].append({"key": it["key"], "kind": kind, "text": text})
+            text = rng.choice(tpls).format(q=it["q"], sig=it["sig"], doc=it["doc"],
+                                           sig_part=f" (signature `{it['sig']}`)" if it["sig"] else "")
+            content = it["doc"] if kind == "doc" else ""  # the other templates carry the name only
+            out.append({"key": it["key"], "kind": kind, "text": text, "content": content})
     for it in paragraph_items():
-        split = split_of(it["key"], seed)
-        if split == "human":  # the human-written text: scored, never prompted
-            out["human"].append({"key": it["key"], "kind": "human", "text": it["p"], "about": it["about"]})
-            continue
         kind = rng.choice(sorted(PARAGRAPH_TEMPLATES))
-        out[split].append(
-            {"key": it["key"], "kind": kind, "text": rng.choice(PARAGRAPH_TEMPLATES[kind]).format(p=it["p"])}
-        )
-    for key, text in fact_questions():
-        out[split_of(key, seed, human_frac=0)].append({"key": key, "kind": "fact", "text": text})
+        text = rng.choice(PARAGRAPH_TEMPLATES[kind]).format(p=it["p"])
+        out.append({"key": it["key"], "kind": kind, "text": text, "content": it["p"], "p": it["p"],
+                    "about": it["about"]})
+    out += [{"key": key, "kind": "fact", "text": text, "content": content}
+            for key, text, content in fact_questions()]
     by_module = {}
     for it in api:
         by_module.setdefault(it["module"], []).append(it["q"])
-    for mod in sorted(by_module):  # pairs of one module: keyed by both, split by the pair
+    for mod in sorted(by_module):  # pairs of one module: keyed by both, split with their module
         names = by_module[mod]
-        for a, b in zip(names[::2], names[1::2]):
-            key = f"pair:{a}|{b}"  # one module: the group, and so the split, of both functions
-            out[split_of(key, seed, human_frac=0)].append(
-                {"key": key, "kind": "compare", "text": f"What is the difference between `{a}` and `{b}`?"})
+        out += [{"key": f"pair:{a}|{b}", "kind": "compare", "content": "",
+                 "text": f"What is the difference between `{a}` and `{b}`?"}
+                for a, b in zip(names[::2], names[1::2])]
     return out
 
 
-def build(seed, n_train, n_heldout, n_human, n_chat=0):
-    """The prompts of a run -> {"train": [...], "heldout": [...], "human": [...], "chat": [...]},
-    each item {"id", "key", "kind", "text"} (human items also "about"). A seeded shuffle of
-    each split's candidates, then the first n; ids are "split-index". Raises if a split is
-    too small."""
-    pools = {**candidates(seed), "chat": [{"key": f"chat:{i}", "kind": "chat", "text": t}
-                                          for i, t in enumerate(CHAT)]}
-    sizes = {"train": n_train, "heldout": n_heldout, "human": n_human, "chat": n_chat}
-    out = {}
+def candidates(seed):
+    """{split: [item]} for "train", "val", "test" (prompts) and "human" (paragraphs, as the text
+    they are: scored, never prompted; a human cluster's other prompts are used nowhere); each
+    item {"key", "kind", "text", "group"} (group: its cluster), human items also "about"."""
+    items = sources(seed)
+    cluster = clusters(items)
+    size = Counter(cluster[group_of(it["key"])] for it in items)
+    with_paragraphs = {cluster[group_of(it["key"])] for it in items if "p" in it}
+    out = {s: [] for s in SPLITS}
+    for it in items:
+        c = cluster[group_of(it["key"])]
+        split = split_of(c, size[c], seed, c in with_paragraphs)
+        if split == "human":
+            if "p" in it:
+                out["human"].append({"key": it["key"], "kind": "human", "text": it["p"], "about": it["about"],
+                                     "group": c})
+            continue
+        out[split].append({"key": it["key"], "kind": it["kind"], "text": it["text"], "group": c})
+    return out
+
+
+def spread(pool, rng):
+    """pool shuffled, then ordered round-robin over its groups (one item of each group, in a
+    shuffled group order, then a second of each, ...): the first n items span as many groups
+    as they can, so no one group fills a held-out set."""
+    rng.shuffle(pool)
+    rank, order = Counter(), {}
+    for it in pool:
+        order.setdefault(it["group"], len(order))
+        it_rank = rank[it["group"]]
+        rank[it["group"]] += 1
+        it["_rr"] = (it_rank, order[it["group"]])
+    pool.sort(key=lambda it: it.pop("_rr"))
+    return pool
+
+
+def build(seed, n_train, n_val, n_test, n_human, n_chat=0, prefer=()):
+    """The prompts of a run -> {"train", "val", "test", "human", "chat": [...]}, each item
+    {"id", "key", "kind", "text", "group"} (human items also "about"). Train: a seeded shuffle,
+    the texts in `prefer` first (prompts whose replies exist already), then the first n_train;
+    val, test and human: spread over their groups (spread); ids are "split-index". Raises
+    if a split is too small."""
+    chat = [{"key": f"chat:{i}", "kind": "chat", "text": t, "group": f"chat:{i}"} for i, t in enumerate(CHAT)]
+    pools = {**candidates(seed), "chat": chat}
+    sizes = {"train": n_train, "val": n_val, "test": n_test, "human": n_human, "chat": n_chat}
+    prefer, out = set(prefer), {}
     for split in SPLITS + ("chat",):
-        pool = pools[split]
-        random.Random(f"{seed}:{split}").shuffle(pool)
+        pool, rng = pools[split], random.Random(f"{seed}:{split}")
+        if split in ("train", "chat"):
+            rng.shuffle(pool)
+            pool.sort(key=lambda it: it["text"] not in prefer)  # stable: the shuffle within each part
+        else:
+            pool = spread(pool, rng)
         if len(pool) < sizes[split]:
             raise ValueError(f"{split}: only {len(pool)} candidates for {sizes[split]} requested")
         out[split] = [{"id": f"{split}-{i}", **c} for i, c in enumerate(pool[: sizes[split]])]

@@ -29,8 +29,8 @@ killed run is started again with the same command:
            record this driver hard-links the checkpoint's weights into snapshots/step_N (the
            learning curve without a second run). A new key starts over: train/ and snapshots/
            are removed first, so no stale step joins a new run. The child dies with the driver
-  ar_sft   (config "ar_sft": true) the paper's baseline: train.py's AR stage on the same rows,
-           steps, lr and schedule (L_AR only), into ar_sft/ar
+  arms     (config "arms") the comparisons: train.py on the same rows, steps, lr and schedule,
+           each with its overrides (AR SFT with the teacher KL or CE, MARS with CE), into arms/NAME
   eval     a teacher-forced quality and greedy tau = 1, b tau sweep, c exact mode vs our AR vs HF
            prompt lookup (same model; K chosen on validation prompts; interleaved wall clock),
            d learning curve; each its own JSON under eval/
@@ -50,7 +50,7 @@ from scripts.real_model.committed import export_rows
 from scripts.real_model.report import rewrite
 from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir
 from scripts.real_model.stages import (
-    stage_ar_sft,
+    stage_arms,
     stage_arrays,
     stage_convert,
     stage_eval,
@@ -60,7 +60,7 @@ from scripts.real_model.stages import (
     stage_train,
 )
 
-ORDER = (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_ar_sft, stage_eval,
+ORDER = (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_arms, stage_eval,
          stage_results)  # STAGES' order
 
 

@@ -37,7 +37,7 @@ def rows_settings(run):
     """What a run's replies depend on, besides the code that made them: committed rows are
     used by a run whose settings these are, made by whatever commit meta.json names."""
     c = run.cfg
-    return {"sizes": [c["seed"], c["n_train"], c["n_heldout"], c["n_human"], c["n_chat"]],
+    return {"sizes": [c["seed"], c["n_train"], c["n_val"], c["n_test"], c["n_human"], c["n_chat"]],
             "max_new_tokens": c["max_new_tokens"], "gen_batch": c["gen_batch"],
             "max_prompt_tokens": c["max_prompt_tokens"], "reply_temperature": c.get("reply_temperature", 0.0),
             "base": GGUF}
@@ -56,6 +56,34 @@ def committed_rows(run):
         print(f"[rows] {d} holds rows of other settings ({meta.get('settings')}): not used", flush=True)
         return None
     return d
+
+
+def reusable_rows(run):
+    """{(for a train row, prompt text): row} of the committed rows named by the config's
+    "reuse_rows" whose generation settings are this run's (reply cap, prompt cap, batch, base):
+    the replies stage takes a chunk's replies from there when it has them all. Greedy rows
+    serve every split (and train rows of a greedy run); train rows sampled at the run's
+    reply_temperature serve train rows only. {} without "reuse_rows"."""
+    name = run.cfg.get("reuse_rows")
+    if not name:
+        return {}
+    d = os.path.join(COMMITTED, name)
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    mine, theirs = rows_settings(run), meta["settings"]
+    if any(mine[k] != theirs[k] for k in ("max_new_tokens", "gen_batch", "max_prompt_tokens", "base")):
+        raise SystemExit(f"reuse_rows: {d} was made with other settings ({theirs})")
+    temp = mine["reply_temperature"]
+    out = {}
+    for split in sorted(meta["rows"]):
+        greedy = split != "train" or theirs["reply_temperature"] == 0
+        for line in open(os.path.join(d, f"{split}.jsonl")):
+            r = json.loads(line)
+            text = r["messages"][0]["content"]
+            if greedy:
+                out[(False, text)] = r
+            if (greedy and temp == 0) or (split == "train" and theirs["reply_temperature"] == temp):
+                out[(True, text)] = r
+    return out
 
 
 def import_rows(run, d):

@@ -21,15 +21,17 @@ from scripts.real_model.run import BASE_DIR, Progress, chat_ids, chunks, digest,
 from tokenizer import Tokenizer
 from util.atomic import atomic_write, write_json, write_text
 
-REPLY_SPLITS = ("train", "heldout", "chat")  # chat: general prompts, evaluation only
-TEACHER_SPLITS = ("train", "heldout")  # the rows train.py reads (train.npz, val.npz)
+REPLY_SPLITS = ("train", "val", "test", "chat")  # test, chat: evaluation only
+TEACHER_SPLITS = ("train", "val")  # the rows train.py reads (train.npz, val.npz)
 
 
-def make_replies(run, key):
+def make_replies(run, key, reuse=None):
     """The base's replies in chunks of gen_batch prompts, each chunk its own file (a chunk whose
-    key matches is kept: resumable), then one JSONL (and teacher .npz) per split."""
+    key matches is kept: resumable), then one JSONL (and teacher .npz) per split. A chunk whose
+    every prompt has a reply in `reuse` ({prompt text: row}, committed.reusable_rows: made by
+    an earlier run with the same generation settings) takes those and computes the teacher only."""
     c = run.cfg
-    model, tok = open_model(BASE_DIR, run)
+    model, tok = open_model(BASE_DIR, run, dtype=c.get("data_dtype"))
     prompts = json.load(open(run.data("prompts.json")))
     os.makedirs(run.data("replies"), exist_ok=True)
     plan = []  # (split, chunk index, [prompt items])
@@ -43,7 +45,7 @@ def make_replies(run, key):
         path = run.data("replies", f"{split}_{i:04d}.json")
         ck = digest(key, [p["id"] for p in items])
         if not (os.path.isfile(path) and json.load(open(path))["key"] == ck):
-            reply_chunk(run, model, tok, split, i, items, ck)
+            reply_chunk(run, model, tok, split, i, items, ck, reuse or {})
         done += len(items)
         progress(done, f"({split} chunk {i})")
     for split in REPLY_SPLITS:
@@ -58,15 +60,20 @@ def make_replies(run, key):
             save_teacher(run.data(f"{split}_teacher.npz"), [per_row[j] for j in order])
 
 
-def reply_chunk(run, model, tok, split, i, items, ck):
-    """One chunk: the replies (greedy; sampled at reply_temperature for train rows if set),
-    and for the rows train.py reads, the base's top-k at every reply position."""
+def reply_chunk(run, model, tok, split, i, items, ck, reuse):
+    """One chunk: the replies (greedy; sampled at reply_temperature for train rows if set; or
+    all of them from `reuse`), and for the rows train.py reads, the base's top-k at every
+    reply position."""
     c = run.cfg
     ids = [chat_ids(tok, p["text"]) for p in items]
-    temp = c.get("reply_temperature", 0.0) if split == "train" else 0.0  # evaluation: greedy always
-    sampling = Sampling(temperature=temp, seed=c["seed"] * 100003 + i) if temp > 0 else GREEDY
-    gens = generate_ar(model, ids, c["max_new_tokens"], eos_of(tok), sampling)
-    rows = [reply_row(tok, p, g.ids, pid) for p, g, pid in zip(items, gens, ids)]
+    old = [reuse.get((split == "train", p["text"])) for p in items]
+    if all(old):
+        reply_ids = [r["reply_ids"] for r in old]
+    else:
+        temp = c.get("reply_temperature", 0.0) if split == "train" else 0.0  # evaluation: greedy always
+        sampling = Sampling(temperature=temp, seed=c["seed"] * 100003 + i) if temp > 0 else GREEDY
+        reply_ids = [g.ids for g in generate_ar(model, ids, c["max_new_tokens"], eos_of(tok), sampling)]
+    rows = [reply_row(tok, p, r, pid) for p, r, pid in zip(items, reply_ids, ids)]
     if split in TEACHER_SPLITS:
         tail = template_tail(tok)
         per_row = [row_teacher(model, r, tail, c["teacher_k"]) for r in rows]
@@ -79,8 +86,8 @@ def reply_row(tok, prompt, ids, prompt_ids):
     ids: the training rows are built from prompt_ids + reply_ids, not from the text."""
     finished = bool(ids) and ids[-1] in eos_of(tok)
     text = tok.decode(ids[:-1] if finished else ids)
-    return {"id": prompt["id"], "kind": prompt["kind"], "finished": finished, "prompt_ids": prompt_ids,
-            "reply_ids": ids,
+    return {"id": prompt["id"], "kind": prompt["kind"], "group": prompt.get("group"), "finished": finished,
+            "prompt_ids": prompt_ids, "reply_ids": ids,
             "messages": [{"role": "user", "content": prompt["text"]}, {"role": "assistant", "content": text}]}
 
 
@@ -128,7 +135,7 @@ def make_arrays(run):
     arrays; counts the rows whose re-tokenised text would have given other ids."""
     tok, S, stats = Tokenizer.from_dir(BASE_DIR), run.train_settings(), {}
     tail = template_tail(tok)
-    for split, name in (("train", "train"), ("heldout", "val")):
+    for split, name in (("train", "train"), ("val", "val")):
         rows = [json.loads(line) for line in open(run.data(f"{split}.jsonl"))]
         arrays = prepare_generated(rows, tail, S["block_size"])
         t = dict(np.load(run.data(f"{split}_teacher.npz")))
@@ -139,6 +146,7 @@ def make_arrays(run):
         save_npz(arrays, run.path("data", f"{name}.npz"))
         distinct = len({r["messages"][0]["content"] for r in rows})
         stats[name] = {"rows": len(rows), "distinct_prompts": distinct,
+                       "groups": len({r.get("group") for r in rows}),
                        "loss_tokens": int(arrays["loss"].sum()),
                        "cut_by_cap": sum(not r["finished"] for r in rows),
                        "differ_from_text": retokenised_differ(tok, rows, tail)}

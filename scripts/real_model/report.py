@@ -17,8 +17,9 @@ from scripts.real_model.run import STAGES
 from util.atomic import atomic_write, write_json, write_text
 
 
-def summary(res):
-    """Issue 21's summary keys (floats; relative changes as fractions); None where not measured."""
+def summary(res, ar_sft="ar_sft"):
+    """Issue 21's summary keys (floats; relative changes as fractions); None where not measured.
+    ar_sft: the model the ar_sft_* keys describe (round 3: its CE arm, "ar_ce")."""
     tf, taus, c, e = res["a_quality"]["teacher_forced"], res["b_taus"], res["c_exact"], res["e_timing"]
     S, stats = res["train_settings"], res["data"]
     rel = lambda part, m: tf[part][m]["nll"] / tf[part]["base"]["nll"] - 1 if m in tf[part] else None  # noqa: E731
@@ -26,12 +27,12 @@ def summary(res):
     t1 = e["timing"]["batch 1"][f"exact K={e['k_choice']['drafts']}"] if e else {}
     return {"human_nll_change_chat": rel("human_chat", "mars"),
             "human_nll_change_plain": rel("human_plain", "mars"),
-            "ar_sft_human_nll_change_chat": rel("human_chat", "ar_sft"),
-            "ar_sft_human_nll_change_plain": rel("human_plain", "ar_sft"),
+            "ar_sft_human_nll_change_chat": rel("human_chat", ar_sft),
+            "ar_sft_human_nll_change_plain": rel("human_plain", ar_sft),
             "kl_base_replies": get("base_replies", "mars", "kl"),
-            "ar_sft_kl_base_replies": get("base_replies", "ar_sft", "kl"),
+            "ar_sft_kl_base_replies": get("base_replies", ar_sft, "kl"),
             "agreement_base_replies": get("base_replies", "mars", "agreement"),
-            "ar_sft_agreement_base_replies": get("base_replies", "ar_sft", "agreement"),
+            "ar_sft_agreement_base_replies": get("base_replies", ar_sft, "agreement"),
             "agreement_human": get("human_chat", "mars", "agreement"),
             "exact_tokens_per_forward_k2_batch1": c["tokens_per_forward"].get("test/mars/exact K=2",
                                                                               {}).get("tokens_per_forward"),
@@ -148,7 +149,7 @@ def section(title, *parts):
 def stages_section(res):
     m = res["stages"]
     rows = [[s, f"{m[s]['elapsed_s'] / 60:.1f} min" + (" (resumed)" if m[s].get("resumed") else "")]
-            for s in STAGES if s in m]
+            for s in [s for s in STAGES if s in m] + [s for s in m if s not in STAGES]]  # + round 3's arms
     return section("Elapsed time per stage", table(["stage", "elapsed"], rows))
 
 
@@ -296,10 +297,18 @@ def report(res):
 
 
 def write_page(res, d):
-    """summary.json, tau_sweep.png and RESULTS.md in d, from results.json's content `res`."""
-    write_json(os.path.join(d, "summary.json"), summary(res))
-    plot_taus(res["b_taus"], os.path.join(d, "tau_sweep.png"))
-    write_text(os.path.join(d, "RESULTS.md"), report(res))
+    """summary.json, the figures and RESULTS.md in d, from results.json's content `res`: round 2's
+    page, or round 3's (round3.py) for a results.json with its reliability evaluation."""
+    from scripts.real_model import round3  # it imports this module's cells and sections
+
+    if round3.is_round3(res):
+        s = round3.summary(res, summary(res, ar_sft="ar_ce"))
+        text = round3.page(res, s, d)
+    else:
+        s, text = summary(res), report(res)
+        plot_taus(res["b_taus"], os.path.join(d, "tau_sweep.png"))
+    write_json(os.path.join(d, "summary.json"), s)
+    write_text(os.path.join(d, "RESULTS.md"), text)
 
 
 def rewrite(d):

@@ -13,24 +13,25 @@ import json
 import os
 import time
 
-import torch
-
 from checkpoint import load_checkpoint
 from tokenizer import Tokenizer
 from util.atomic import write_json
+from util.precision import compute_dtype
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 BASE_DIR = "out/smollm2"
 
-SMOKE = {"n_train": 6, "n_heldout": 6, "n_human": 4, "n_chat": 2, "max_new_tokens": 12, "gen_batch": 4,
-         "n_eval": 3, "n_val": 2, "n_tau": 3, "n_timed": 2, "timing_rounds": 1, "n_curve": 2,
+SMOKE = {"n_train": 6, "n_val": 4, "n_test": 4, "n_human": 4, "n_chat": 2, "max_new_tokens": 12,
+         "gen_batch": 4,
+         "n_eval": 3, "n_tau": 3, "n_timed": 2, "timing_rounds": 1, "n_curve": 2, "curve_steps": None,
+         "reuse_rows": None,
          "taus": [1.0, 0.95],
          "taus_base": [1.0], "drafts": [1, 2], "teacher_k": 8, "timing": True,
          "train": {"mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "ckpt_interval": 1,
                    "eval_interval": 1, "eval_rows": 2}}
 
-STAGES = ("convert", "prompts", "replies", "arrays", "train", "ar_sft", "eval", "results")
+STAGES = ("convert", "prompts", "replies", "arrays", "train", "arms", "eval", "results")
 
 
 def results_dir(name, cfg, smoke):
@@ -116,10 +117,16 @@ class Run:
         print(f"[{name}] finished in {(time.time() - t0) / 60:.1f} min", flush=True)
 
 
-def open_model(path, run, base=BASE_DIR):
-    """(model, tokenizer) in the run's device and dtype; the tokenizer is the base model's."""
-    ck = load_checkpoint(path, run.cfg["device"], getattr(torch, run.cfg["dtype"]))
+def open_model(path, run, base=BASE_DIR, dtype=None):
+    """(model, tokenizer) on the run's device, in `dtype` or the run's ("auto": util.precision's
+    choice for the device); the tokenizer is the base model's."""
+    ck = load_checkpoint(path, run.cfg["device"], run_dtype(run, dtype))
     return ck.model, Tokenizer.from_dir(base)
+
+
+def run_dtype(run, name=None):
+    """The torch dtype of `name` (default: the config's "dtype"); "auto" is choose_dtype's pick."""
+    return compute_dtype(name or run.cfg["dtype"], run.cfg["device"])
 
 
 def eos_of(tok):
@@ -144,6 +151,10 @@ def load_config(name, smoke):
     with open(path) as f:
         full = json.load(f)
     cfg = dict(full["_real_model"])
+    if "n_test" not in cfg:
+        raise SystemExit(f"{path}: a round-2 config (one held-out split, no val / test split by "
+                         "cluster); this code runs round 3's (configs/smollm2-r3*.json); round 2 ran at "
+                         "9d8f71a")
     if smoke:
         train_over = {**cfg.get("train_overrides", {}), **SMOKE["train"]}
         cfg.update({k: v for k, v in SMOKE.items() if k != "train"}, train_overrides=train_over)
@@ -153,10 +164,12 @@ def load_config(name, smoke):
 
 def predict(cfg, S):
     """The plan's minutes per stage from per-unit costs measured on the 2-core CPU (cost_s)."""
-    k = cfg["cost_s"]
-    rows = cfg["n_train"] + cfg["n_heldout"] + cfg["n_chat"]
-    train_steps = S["mars_steps"] * (k["mars_step"] + (k["ar_step"] if cfg.get("ar_sft") else 0))
-    m = {"replies": rows * k["reply_row"], "train + AR SFT": train_steps,
-         "eval": k["eval_fixed"] + cfg["n_eval"] * k["eval_prompt"]}
-    return "predicted " + ", ".join(f"{s} {v / 60:.0f} min" for s, v in m.items()) + \
+    k, arms = cfg["cost_s"], cfg.get("arms", {}).values()
+    rows = cfg["n_train"] + cfg["n_val"] + cfg["n_test"] + cfg["n_chat"]
+    mars_runs = 1 + sum(a.get("mars_steps", 1) != 0 for a in arms)
+    train_steps = S["mars_steps"] * (k["mars_step"] * mars_runs + k["ar_step"] * (len(arms) + 1 - mars_runs))
+    teacher = (cfg["n_train"] + cfg["n_val"]) * k.get("teacher_row", 0)
+    m = {"replies + teacher": rows * k["reply_row"] + teacher,
+         "train + arms": train_steps, "eval": k["eval_fixed"] + cfg["n_eval"] * k["eval_prompt"]}
+    return "predicted (no replies reused) " + ", ".join(f"{s} {v / 60:.0f} min" for s, v in m.items()) + \
         f", total about {sum(m.values()) / 60:.0f} min"

@@ -1,13 +1,15 @@
 """The lossless decoders and their speed: our AR, exact mode at each K (exact.py) and HF
 prompt lookup (transformers, no training), on the same model. (c) tokens per forward with a
-bootstrap interval over prompts; (e) the wall clock.
+bootstrap interval over clusters of prompts; (e) the wall clock.
 
 How the wall clock is measured (time_decoders, eval_timing): K is chosen on the validation
 prompts (one round, the fastest exact mode against our AR), never on the test prompts; then
 every decoder is warmed up, and each test item (a batch of 1 or 4 prompts) is run by every
-decoder in turn, the order rotated each round; a decoder's time is the median over rounds of
-its round total, its speed against our AR the ratio of those medians, with a bootstrap
-interval over items of the ratio of per-item medians. One timed call is
+decoder in turn, the order rotated each round. A decoder's speed against our AR is the
+median over rounds of the paired ratio of round totals (AR's round / its round: both timed
+in the same round, so a slow spell of the machine hits both), with an interval that
+resamples the items by cluster (paired_speed; issue 33); the ratio of median round totals is
+kept beside it (round 2's figure). One timed call is
 scripts.common.time_once (synchronised on CUDA). The decoders' outputs of the first round
 are compared with our AR's: "identical" is part of the claim.
 
@@ -16,14 +18,15 @@ Which evaluations run is stages.py's; the quality measures are evaluation.py's.
 
 import statistics
 
+import numpy as np
 import torch
 
 from decoding import Generation
 from exact import generate_exact
 from generate import generate_ar
 from scripts.common import time_once as timed
-from scripts.real_model.evaluation import bootstrap, eval_inputs, in_chunks, per_prompt, prompts_of
-from scripts.real_model.run import BASE_DIR, eos_of, open_model
+from scripts.real_model.evaluation import bootstrap, eval_inputs, groups_of, in_chunks, per_prompt, prompts_of
+from scripts.real_model.run import BASE_DIR, eos_of, open_model, run_dtype
 
 
 def decoders(run, model, tok, path):
@@ -44,7 +47,7 @@ def hf_lookup(run, path, tok):
     from transformers import AutoModelForCausalLM
 
     c = run.cfg
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, c["dtype"])).to(c["device"]).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=run_dtype(run)).to(c["device"]).eval()
     calls = [0]
     hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
 
@@ -78,13 +81,13 @@ def eval_exact(run):
     res = {"n_test": len(test), "n_val": len(val), "n_chat": len(chat), "tokens_per_forward": {}}
     for split, rows in (("test", test), ("chat", chat)):
         for owner, table_ in (("mars", fns), ("base", fns_base)):
-            p = prompts_of(tok, rows)
+            p, groups = prompts_of(tok, rows), groups_of(rows)
             ar = in_chunks(table_["our AR"], p, c["gen_batch"])
             for n, fn in table_.items():
                 if split == "chat" and not (n == "exact K=2" or owner == "mars" and n == "our AR"):
                     continue  # far-from-training prompts: K = 2 (our AR is its reference)
                 gens = ar if n == "our AR" else in_chunks(fn, p, 1 if n.startswith("HF") else c["gen_batch"])
-                res["tokens_per_forward"][f"{split}/{owner}/{n}"] = per_prompt(gens, ar)
+                res["tokens_per_forward"][f"{split}/{owner}/{n}"] = per_prompt(gens, ar, groups)
                 print(f"[eval c] {split}/{owner}/{n}: {res['tokens_per_forward'][f'{split}/{owner}/{n}']}",
                       flush=True)
     return res
@@ -109,18 +112,39 @@ def time_decoders(fns, items, rounds, device):
     res = {}
     for n in names:
         per_round = [sum(x) for x in times[n]]
-        res[n] = {"per_round_s": per_round, "median_s": statistics.median(per_round),
+        res[n] = {"per_round_s": per_round, "median_s": statistics.median(per_round), "times_s": times[n],
                   "spread_s": [min(per_round), max(per_round)],
                   "per_item_s": [statistics.median(times[n][r][i] for r in range(rounds))
                                  for i in range(len(items))]}
     return res, outs
 
 
-def speed_rows(t, ar="our AR"):
-    """Speed of each decoder against our AR: the ratio of the median round times, and the
-    bootstrap interval over items of the ratio of the per-item medians."""
-    return {n: {**v, "speed_vs_ar": t[ar]["median_s"] / v["median_s"],
-                "speed_ci95": bootstrap(t[ar]["per_item_s"], v["per_item_s"])} for n, v in t.items()}
+def paired_speed(ar_times, times, groups=None, n=2000, seed=0):
+    """Speed against our AR from times (rounds, items) of both, taken in the same rounds: the
+    median over rounds of the paired ratio sum(AR's round) / sum(the decoder's round), and its
+    95 % interval with the items resampled by group (each item's label in `groups`; every item
+    its own without), the same statistic on each resample."""
+    a, d = np.asarray(ar_times, float), np.asarray(times, float)
+    labels = list(range(a.shape[1])) if groups is None else groups
+    members = [np.flatnonzero(np.array(labels, dtype=object) == g) for g in dict.fromkeys(labels)]
+    stat = lambda idx: float(np.median(a[:, idx].sum(1) / d[:, idx].sum(1)))  # noqa: E731
+    rng = np.random.default_rng(seed)
+    draws = [stat(np.concatenate([members[k] for k in rng.integers(0, len(members), len(members))]))
+             for _ in range(n)]
+    return stat(np.arange(a.shape[1])), [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
+
+
+def speed_rows(t, ar="our AR", groups=None):
+    """Speed of each decoder against our AR: the median of the paired per-round ratios with its
+    interval over groups of items (paired_speed, the headline since issue 33), and as before the
+    ratio of the median round times and the bootstrap interval of the per-item medians."""
+    out = {}
+    for n, v in t.items():
+        paired, ci = paired_speed(t[ar]["times_s"], v["times_s"], groups)
+        out[n] = {**v, "speed_vs_ar": t[ar]["median_s"] / v["median_s"],
+                  "speed_ci95": bootstrap(t[ar]["per_item_s"], v["per_item_s"]),
+                  "speed_paired": paired, "speed_paired_ci95": ci, "items": len(v["per_item_s"])}
+    return out
 
 
 def eval_timing(run):
@@ -140,16 +164,19 @@ def eval_timing(run):
     K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
     res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
     print(f"[eval e] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
-    test_p = prompts_of(tok, test)[:c["n_timed"]]
+    timed_rows = sorted(test[:c["n_timed"]], key=lambda r: str(r.get("group")))  # a batch: mostly one cluster
+    test_p, groups = prompts_of(tok, timed_rows), groups_of(timed_rows)
     pick = {n: fns[n] for n in ("our AR", f"exact K={K}", "HF prompt lookup")}
     res["timing"] = {}
     for bs in (1, 4):
         items = [test_p[i:i + bs] for i in range(0, len(test_p), bs)]
         t, outs = time_decoders(pick if bs == 1 else {n: pick[n] for n in pick if not n.startswith("HF")},
                                 items, c["timing_rounds"], dev)
-        res["timing"][f"batch {bs}"] = speed_rows(t)
+        res["timing"][f"batch {bs}"] = speed_rows(t, groups=groups[::bs])  # an item: its first prompt's
         for n in t:
             res["timing"][f"batch {bs}"][n]["identical_to_ar"] = sum(
                 a.ids == b.ids for a, b in zip(outs[n], outs["our AR"])) / len(outs[n])
-        print(f"[eval e] batch {bs}: {res['timing'][f'batch {bs}']}", flush=True)
+        rows = res["timing"][f"batch {bs}"]
+        print(f"[eval e] batch {bs}: " + ", ".join(f"{n} {r['speed_paired']:.3f}x {r['speed_paired_ci95']}"
+                                                   for n, r in rows.items()), flush=True)
     return res

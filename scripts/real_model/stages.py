@@ -7,7 +7,7 @@ outputs exist and whose key matches stages.json; __main__.py runs them in order.
   replies  the base's replies and teacher arrays (replies.py), or committed rows + teacher
   arrays   train.npz / val.npz from the generated ids (replies.make_arrays)
   train    MARS: train.py in a subprocess, snapshots for the learning curve (training.py)
-  ar_sft   the paper's baseline on the same rows, steps, lr and schedule, L_AR only
+  arms     the comparisons on the same rows, steps, lr and schedule (AR SFT, MARS with CE)
   eval     each of EVALS its own JSON under eval/ (evaluation.py, speed.py)
   results  results.json (what the page needs, without the replies) and, from it alone, the
            page (report.py)
@@ -26,8 +26,15 @@ import time
 
 from data import prompts as prompt_data
 from scripts.common import machine
-from scripts.real_model.committed import committed_rows, copy_atomic, import_rows
-from scripts.real_model.evaluation import eval_curve, eval_quality, eval_taus, side_by_side, teacher_forced
+from scripts.real_model.committed import committed_rows, copy_atomic, import_rows, reusable_rows
+from scripts.real_model.evaluation import (
+    eval_curve,
+    eval_quality,
+    eval_reliability,
+    eval_taus,
+    side_by_side,
+    teacher_forced,
+)
 from scripts.real_model.replies import (
     REPLY_SPLITS,
     TEACHER_SPLITS,
@@ -63,15 +70,17 @@ def stage_convert(run):
 
 def stage_prompts(run):
     c = run.cfg
-    sizes = (c["seed"], c["n_train"], c["n_heldout"], c["n_human"], c["n_chat"])
+    sizes = (c["seed"], c["n_train"], c["n_val"], c["n_test"], c["n_human"], c["n_chat"])
     out = run.data("prompts.json")
     rows = committed_rows(run)
     if rows:  # the prompts the committed replies answer, whatever this Python would build
         src = os.path.join(rows, "prompts.json")
         return run.stage("prompts", digest("prompts", "committed", ("file", src)), [out],
                          lambda: copy_atomic(src, out))
-    key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"))
-    run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes)))
+    reuse = reusable_rows(run)  # train prompts with a committed reply first: made once, not again
+    prefer = sorted(text for is_train, text in reuse if is_train)
+    key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"), prefer)
+    run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes, prefer=prefer)))
 
 
 def stage_replies(run):
@@ -84,12 +93,14 @@ def stage_replies(run):
         key = digest("replies", "committed", c["teacher_k"], *files, ("file", "model.py"),
                      ("code", import_rows), ("code", row_teacher), ("code", teacher_topk))
         return run.stage("replies", key, out, lambda: import_rows(run, rows))
+    reuse = reusable_rows(run)
     key = digest("replies", c["max_new_tokens"], c["gen_batch"], c["max_prompt_tokens"], c["teacher_k"],
-                 c.get("reply_temperature", 0.0), ("file", run.data("prompts.json")),
+                 c.get("reply_temperature", 0.0), c.get("data_dtype"), ("file", run.data("prompts.json")),
+                 sorted((k[0], k[1], v["reply_ids"]) for k, v in reuse.items()),
                  ("file", os.path.join(BASE_DIR, "model.safetensors")), *[("file", f) for f in DECODING],
                  ("code", make_replies), ("code", reply_chunk), ("code", reply_row), ("code", row_teacher),
                  ("code", teacher_topk))
-    run.stage("replies", key, out, lambda: make_replies(run, key))
+    run.stage("replies", key, out, lambda: make_replies(run, key, reuse))
 
 
 def stage_arrays(run):
@@ -109,33 +120,38 @@ def stage_train(run):
     run.stage("train", key, [out], lambda: train(run, "train", {}, fresh))
 
 
-def stage_ar_sft(run):
-    """The paper's baseline (§2, §7): AR SFT on the same rows, steps, lr and schedule, L_AR only
-    (train.py's AR stage for mars_steps steps, no MARS stage). Off unless the config's "ar_sft".
-    Its L_AR is the config's "ar_sft_target", by default CE on the tokens (the paper's AR SFT):
-    KL to the teacher starts at its minimum here (the teacher is the starting model), where
-    AdamW's first steps, normalised, follow the rounding of the stored teacher."""
-    if not run.cfg.get("ar_sft"):
-        return
+def stage_arms(run):
+    """The comparisons (issue 33): each of the config's "arms" is train.py on the same rows,
+    steps, lr and schedule as the recipe (the train stage), with its own overrides, into
+    arms/NAME; e.g. AR SFT with the recipe's L_AR (ar_steps = mars_steps, mars_steps = 0:
+    no mask stream), AR SFT with CE (the paper's baseline, §7), MARS with CE at w_ar 1 (the
+    paper's recipe). An AR arm's KL to the teacher starts at its minimum (the teacher is the
+    starting model): AdamW's first normalised steps then follow the stored teacher's rounding."""
     S = run.train_settings()
-    over = {"ar_steps": S["mars_steps"], "mars_steps": 0, "ar_target": run.cfg.get("ar_sft_target", "tokens")}
-    key = digest("ar_sft", {**S, **over}, ("file", run.path("data", "train.npz")),
-                 ("file", run.path("data", "val.npz")), *[("file", f) for f in TRAINING])
-    fresh = run.manifest.get("ar_sft", {}).get("key") != key
-    run.stage("ar_sft", key, [run.path("ar_sft", "ar", "model.safetensors")],
-              lambda: train(run, "ar_sft", over, fresh))
+    for name, over in run.cfg.get("arms", {}).items():
+        if over.get("mars_steps") == 0 and "ar_steps" not in over:
+            over = {**over, "ar_steps": S["mars_steps"]}  # an AR arm: as many steps as the recipe's
+        key = digest("arm", name, {**S, **over}, ("file", run.path("data", "train.npz")),
+                     ("file", run.path("data", "val.npz")), *[("file", f) for f in TRAINING])
+        fresh = run.manifest.get(f"arm {name}", {}).get("key") != key
+        stage = "mars" if over.get("mars_steps", S["mars_steps"]) else "ar"
+        run.stage(f"arm {name}", key, [run.path("arms", name, stage, "model.safetensors")],
+                  lambda n=name, o=over, f=fresh: train(run, os.path.join("arms", n), o, f))
 
 
 EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, "d_curve": eval_curve,
-         "e_timing": eval_timing}
+         "e_timing": eval_timing, "f_reliability": eval_reliability}
 
 EVAL_KEYS = ("n_eval", "n_val", "n_tau", "n_curve", "n_timed", "timing", "timing_rounds", "taus",
-             "taus_base", "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "ar_sft", "ar_sft_target")
+             "taus_base", "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "arms", "curve_steps",
+             "eval_split", "dtype", "reliability")
 
 
 def stage_eval(run):
-    key = digest("eval", {k: run.cfg.get(k) for k in EVAL_KEYS}, run.manifest.get("train", {}).get("key"),
-                 run.manifest.get("ar_sft", {}).get("key"), *[("file", f) for f in DECODING + ("exact.py",)],
+    trained = sorted((k, v.get("key")) for k, v in run.manifest.items()
+                     if k == "train" or k.startswith("arm "))
+    key = digest("eval", {k: run.cfg.get(k) for k in EVAL_KEYS}, trained,
+                 *[("file", f) for f in DECODING + ("exact.py",)],
                  *[("code", f) for f in EVALS.values()], ("code", teacher_forced), ("code", time_decoders))
     outs = {name: run.path("eval", f"{name}.json") for name in EVALS}
     run.stage("eval", key, list(outs.values()), lambda: make_eval(run, key, outs))
