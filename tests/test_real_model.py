@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from conftest import make_hf_model
 
-from data import prompts as P
 from data.bpe import train_bpe
 from decoding import Generation
 from model import Qwen2
@@ -28,34 +27,6 @@ from scripts.real_model.run import Run, chunks, digest
 from scripts.real_model.training import snapshot
 from tokenizer import Tokenizer
 from util.atomic import write_json
-
-
-def test_prompts_deterministic_and_splits_disjoint():
-    a, b = P.build(0, 200, 30, 20), P.build(0, 200, 30, 20)
-    assert a == b
-    assert P.build(1, 200, 30, 20) != a  # the seed matters
-    keys = {s: {x["key"] for x in a[s]} for s in P.SPLITS}
-    assert not keys["train"] & keys["heldout"] and not keys["human"] & (keys["train"] | keys["heldout"])
-    # a compared pair is split with both of its functions: no held-out function is trained on
-    funcs = {s: {k for x in a[s] for k in x["key"].removeprefix("pair:").split("|")} for s in P.SPLITS}
-    assert not funcs["train"] & funcs["heldout"]
-    prompt_text = " ".join(x["text"] for s in ("train", "heldout") for x in P.candidates(0)[s])
-    assert all(h["text"] not in prompt_text for h in a["human"])  # human text is in no prompt
-    assert len({x["kind"] for x in a["train"]}) >= 6  # varied, not one template
-
-
-
-def test_splits_are_disjoint_by_coarse_group():
-    c = P.candidates(0)
-    groups = {s: {P.group_of(x["key"]) for x in c[s]} for s in P.SPLITS}
-    assert not groups["train"] & groups["heldout"] and not groups["heldout"] & groups["human"]
-    # the near-duplicates the first run's split let cross: one group, so one split
-    for a, b in (("api:math.sqrt", "api:cmath.sqrt"), ("api:gzip.open", "api:lzma.open"),
-                 ("api:gzip.open", "pair:bz2.compress|bz2.open"), ("topic:class#0", "topic:class#3"),
-                 ("api:os.path.join", "moddoc:os#1"), ("http:404", "http:410")):
-        assert P.group_of(a) == P.group_of(b) and P.split_of(a, 0) == P.split_of(b, 0, human_frac=0.1)
-    built = P.build(0, 50, 20, 10, 8)
-    assert len(built["chat"]) == 8 and all(x["text"] in P.CHAT for x in built["chat"])
 
 
 def test_agreement_equals_brute_force():
@@ -227,7 +198,7 @@ def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
     teacher arrays again, which equal HF's top-k of the same rows; other settings are refused."""
     monkeypatch.chdir(tmp_path)
     hf = make_hf_model(tmp_path / "base")
-    cfg = {"results_dir": "r", "seed": 0, "n_train": 2, "n_heldout": 1, "n_human": 1, "n_chat": 1,
+    cfg = {"results_dir": "r", "seed": 0, "n_train": 2, "n_val": 1, "n_test": 1, "n_human": 1, "n_chat": 1,
            "max_new_tokens": 4, "gen_batch": 2, "max_prompt_tokens": 16, "teacher_k": 3,
            "shared_data": "rows", "device": "cpu", "dtype": "float32"}
     run = Run("a", cfg, "a.json", {}, smoke=False)
@@ -235,7 +206,7 @@ def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
     rand = lambda n: torch.randint(0, 200, (n,), generator=g).tolist()
     rows = {s: [{"id": f"{s}-{i}", "kind": "k", "finished": i % 2 == 0, "prompt_ids": rand(5 + i),
                  "reply_ids": rand(3 + i), "messages": []} for i in range(n)]
-            for s, n in (("train", 2), ("heldout", 1), ("chat", 1))}
+            for s, n in (("train", 2), ("val", 1), ("test", 1), ("chat", 1))}
     for s, rs in rows.items():
         with open(run.data(f"{s}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rs)

