@@ -4,7 +4,11 @@ two splits, the human paragraphs come from clusters with no prompt of any kind, 
 set is spread over >= 20 clusters, and everything is a pure function of (seed, sizes)."""
 
 import itertools
+import json
+import os
 import random
+import subprocess
+import sys
 from collections import Counter, defaultdict
 
 import pytest
@@ -91,3 +95,16 @@ def test_preferred_train_prompts_come_first():
     b = P.build(0, 60, 4, 4, 4, prefer=prefer)
     assert {it["text"] for it in b["train"][:50]} == prefer
     assert all(it["text"] not in prefer for it in b["train"][50:])
+
+
+def test_prompts_do_not_depend_on_what_was_imported():
+    """torch (imported by every test and by the pipeline) replaces inspect.getfile: a listing of
+    the stdlib's functions must not change with it, or one item shifts every later template."""
+    import torch  # noqa: F401
+
+    here = P.build(0, 300, 48, 64, 40, 32)
+    code = ("import json, sys; from data import prompts as P; assert 'torch' not in sys.modules; "
+            "print(json.dumps(P.build(0, 300, 48, 64, 40, 32)))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    assert json.loads(out.stdout) == here

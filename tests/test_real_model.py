@@ -221,7 +221,7 @@ def test_committed_rows_round_trip_and_teacher_equals_hf(tmp_path, monkeypatch):
     fresh = Run("a", cfg, "a.json", {}, smoke=False)
     base = Qwen2.from_pretrained(str(tmp_path / "base"))  # float32, as the replies stage runs
     hf = hf.double()  # the reference in float64: a mismatch is ours, not the reference's rounding
-    monkeypatch.setattr(committed, "open_model", lambda path, run: (base, None))
+    monkeypatch.setattr(committed, "open_model", lambda path, run, dtype=None: (base, None))
     monkeypatch.setattr(committed, "template_tail", lambda tok: [7])
     committed.import_rows(fresh, committed.committed_rows(fresh))
     for s in rows:

@@ -81,7 +81,7 @@ def main(argv=None):
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
     if a.report:
         return rewrite(results_dir(name, cfg, a.smoke))
-    if "n_test" not in cfg:
+    if "n_test" not in full["_real_model"]:
         raise SystemExit(f"{path}: a round-2 config (one held-out split, no val / test split by "
                          "cluster); this code runs round 3's (configs/smollm2-r3*.json); round 2 ran at "
                          "commit 9d8f71a, and --report still renders its page")

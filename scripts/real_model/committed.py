@@ -89,7 +89,7 @@ def reusable_rows(run):
 def import_rows(run, d):
     """The committed replies into the run's data dir, and the teacher arrays computed again from
     them (teacher_topk: one teacher-forced forward per train / held-out row)."""
-    model, tok = open_model(BASE_DIR, run)
+    model, tok = open_model(BASE_DIR, run, dtype=run.cfg.get("data_dtype"))
     tail = template_tail(tok)
     for split in REPLY_SPLITS:
         rows = [json.loads(line) for line in open(os.path.join(d, f"{split}.jsonl"))]

@@ -27,9 +27,10 @@ TEACHER_SPLITS = ("train", "val")  # the rows train.py reads (train.npz, val.npz
 
 def make_replies(run, key, reuse=None):
     """The base's replies in chunks of gen_batch prompts, each chunk its own file (a chunk whose
-    key matches is kept: resumable), then one JSONL (and teacher .npz) per split. A chunk whose
-    every prompt has a reply in `reuse` ({prompt text: row}, committed.reusable_rows: made by
-    an earlier run with the same generation settings) takes those and computes the teacher only."""
+    key matches is kept: resumable), then one JSONL (and teacher .npz) per split. The prompts
+    with a reply in `reuse` ({(train row?, prompt text): row}, committed.reusable_rows: made by
+    an earlier run with the same generation settings) are chunked apart from the others; their
+    chunks take those replies and compute the teacher only."""
     c = run.cfg
     model, tok = open_model(BASE_DIR, run, dtype=c.get("data_dtype"))
     prompts = json.load(open(run.data("prompts.json")))
@@ -37,8 +38,10 @@ def make_replies(run, key, reuse=None):
     plan = []  # (split, chunk index, [prompt items])
     for split in REPLY_SPLITS:
         items = [p for p in prompts[split] if len(chat_ids(tok, p["text"])) <= c["max_prompt_tokens"]]
-        for i, idx in enumerate(chunks([len(p["text"]) for p in items], c["gen_batch"])):
-            plan.append((split, i, [items[j] for j in idx]))
+        have = [(split == "train", p["text"]) in (reuse or {}) for p in items]
+        for part in ([p for p, h in zip(items, have) if h], [p for p, h in zip(items, have) if not h]):
+            for idx in chunks([len(p["text"]) for p in part], c["gen_batch"]):  # reused chunks apart
+                plan.append((split, sum(s == split for s, *_ in plan), [part[j] for j in idx]))
     progress = Progress("replies", sum(len(p) for *_, p in plan), "prompts")
     done = 0
     for split, i, items in plan:

@@ -23,7 +23,7 @@ from scripts.real_model.report import (
 
 ARMS = {  # model key in results.json: (label, the question its row answers)
     "base": ("base", "what exact mode and the τ rule give untrained"),
-    "ar_kl": ("AR SFT, teacher KL (w_ar 1, no mask stream)",
+    "ar_kl": ("AR SFT, teacher KL (no mask stream)",
               "what the mask stream costs, all else equal (the control of the recipe)"),
     "ar_ce": ("AR SFT, CE", "the paper's baseline: how far plain SFT on these rows moves the model"),
     "mars_ce": ("MARS, CE, w_ar 1", "the paper's recipe, against AR SFT with CE"),
@@ -129,14 +129,33 @@ def taus_section(res, d):
 def reliability_section(res, d):
     """Issue 33 item 3: why the τ rule accepts what it does, per mask position."""
     f = res["f_reliability"]
-    by_model = {ARMS[m][0]: r for m, r in f["models"].items()}
+    by_model = {ARMS.get(m, (m,))[0]: r for m, r in f["models"].items()}
     reliability_figure(by_model, os.path.join(d, "reliability.png"))
-    same = ", ".join(f"{ARMS[m][0]} {r['replies_equal_greedy_ar']:.3f}" for m, r in f["models"].items())
+    same = ", ".join(f"{name} {r['replies_equal_greedy_ar']:.3f}" for name, r in by_model.items())
     note = (f"On {f['n']} validation prompts ({f['groups']} clusters), at every step of a τ = 1 decode: "
             "the candidate c_j of mask position j and its probability (fp32 softmax), against the token "
             f"greedy AR emits j positions later. The τ = 1 replies equal greedy AR's: {same}.")
     return section("Why the τ rule accepts what it does: reliability of the masks",
-                   note, "![reliability](reliability.png)", "\n".join(reliability_lines(by_model)))
+                   note, "![reliability](reliability.png)", "\n".join(reliability_lines(by_model)),
+                   metrics_table(by_model))
+
+
+def metrics_table(by_model):
+    """The other accept metrics (sampling.METRICS) at mask position 1: the share of c_1 candidates
+    in each metric's most confident bin and how often they are right, beside probability's."""
+    rows = []
+    for name, r in by_model.items():
+        pos = next((p for p in r["positions"] if p["j"] == 1), None)
+        if pos is None:
+            continue
+        cells = []
+        for metric, most in (("probability", -1), ("margin", -1), ("entropy", 0)):  # entropy: low = sure
+            b = pos["bins"][metric][most]
+            cells += [f"{b['count'] / pos['n']:.3f}", fmt(b["accuracy"])]
+        rows.append([name, pos["n"]] + cells)
+    head = ["model", "n (c_1)", "p >= 0.9: share", "accuracy", "margin >= 0.9: share", "accuracy",
+            "entropy < 0.05 nats: share", "accuracy"]
+    return "The other accept metrics, mask position 1 (their most confident bin):\n\n" + table(head, rows)
 
 
 def timing_section(res):

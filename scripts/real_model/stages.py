@@ -53,6 +53,7 @@ from scripts.real_model.training import train
 from util.atomic import write_json
 
 DECODING = ("model.py", "kvcache.py", "generate.py", "decoding.py", "sampling.py")  # what generation runs
+EVAL_CODE = tuple(f"scripts/real_model/{m}.py" for m in ("evaluation", "speed", "reliability"))  # eval's own
 TRAINING = ("train.py", "mars.py", "model.py", "settings.py", "checkpoint.py")  # what train.py runs
 
 
@@ -78,7 +79,7 @@ def stage_prompts(run):
         return run.stage("prompts", digest("prompts", "committed", ("file", src)), [out],
                          lambda: copy_atomic(src, out))
     reuse = reusable_rows(run)  # train prompts with a committed reply first: made once, not again
-    prefer = sorted(text for is_train, text in reuse if is_train)
+    prefer = sorted({text for _, text in reuse})  # the same prompts at any reply temperature
     key = digest("prompts", sizes, platform.python_version(), ("file", "data/prompts.py"), prefer)
     run.stage("prompts", key, [out], lambda: write_json(out, prompt_data.build(*sizes, prefer=prefer)))
 
@@ -90,7 +91,8 @@ def stage_replies(run):
     rows = committed_rows(run)
     if rows:  # replies made once and committed: only the teacher is computed again
         files = [("file", os.path.join(rows, f"{s}.jsonl")) for s in REPLY_SPLITS]
-        key = digest("replies", "committed", c["teacher_k"], *files, ("file", "model.py"),
+        key = digest("replies", "committed", c["teacher_k"], c.get("data_dtype"), *files,
+                     ("file", "model.py"),
                      ("code", import_rows), ("code", row_teacher), ("code", teacher_topk))
         return run.stage("replies", key, out, lambda: import_rows(run, rows))
     reuse = reusable_rows(run)
@@ -151,7 +153,8 @@ def stage_eval(run):
     trained = sorted((k, v.get("key")) for k, v in run.manifest.items()
                      if k == "train" or k.startswith("arm "))
     key = digest("eval", {k: run.cfg.get(k) for k in EVAL_KEYS}, trained,
-                 *[("file", f) for f in DECODING + ("exact.py",)],
+                 *[("file", f) for f in DECODING + ("exact.py",) + EVAL_CODE],
+                 *[("file", run.data(f)) for f in ("prompts.json", "val.jsonl", "test.jsonl", "chat.jsonl")],
                  *[("code", f) for f in EVALS.values()], ("code", teacher_forced), ("code", time_decoders))
     outs = {name: run.path("eval", f"{name}.json") for name in EVALS}
     run.stage("eval", key, list(outs.values()), lambda: make_eval(run, key, outs))
