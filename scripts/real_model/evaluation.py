@@ -16,7 +16,7 @@ import torch
 from exact import generate_exact
 from generate import generate, generate_ar, mars_decode
 from scripts.real_model.reliability import mask_records, reliability, tau_lossless
-from scripts.real_model.run import BASE_DIR, chat_ids, chunks, eos_of, open_model
+from scripts.real_model.run import BASE_DIR, chat_ids, chunks, eos_of, eval_batch, open_model
 from tokenizer import Tokenizer
 
 
@@ -184,7 +184,7 @@ def eval_quality(run):
     ref, stage = None, [r["reply_ids"] for r in test]
     for name, model in models.items():
         gens = in_chunks(lambda b, m=model: generate_ar(m, b, c["max_new_tokens"], eos_of(tok)),
-                         prompts_of(tok, test), c["gen_batch"])
+                         prompts_of(tok, test), eval_batch(c))
         outs = [g.ids for g in gens]
         ref = outs if ref is None else ref
         res[name] = {**agreement(ref, outs), "replies_stage_identical": agreement(stage, outs)["identical"],
@@ -201,7 +201,7 @@ def sweep(run, model, base, tok, rows, taus):
     for tau in taus:
         gens = in_chunks(lambda b, t=tau: generate(
             model, b, block_size=B, tau=t, max_new_tokens=c["max_new_tokens"], mask_id=tok.mask_id,
-            eos_ids=eos_of(tok)), prompts_of(tok, rows), c["gen_batch"])
+            eos_ids=eos_of(tok)), prompts_of(tok, rows), eval_batch(c))
         outs = [g.ids for g in gens]
         ref = outs if ref is None else ref
         nll = teacher_forced(base, {"base": base}, reply_rows(tok, texts, outs))["base"]
@@ -255,7 +255,7 @@ def eval_curve(run):
         model = open_model(path, run)[0]
         gens = in_chunks(lambda b, m=model: generate_exact(
             m, b, block_size=B, drafts=K, mask_id=tok.mask_id, max_new_tokens=c["max_new_tokens"],
-            eos_ids=eos_of(tok)), prompts, c["gen_batch"])
+            eos_ids=eos_of(tok)), prompts, eval_batch(c))
         tf, tpf = teacher_forced(base, {"m": model}, replies)["m"], per_prompt(gens, groups=groups)
         res.append({"step": step, "drafts": K, "tokens_per_forward": tpf["tokens_per_forward"],
                     "tpf_ci95": tpf["ci95"], "n": len(rows), "groups": len(set(groups)),
@@ -309,9 +309,9 @@ def eval_reliability(run):
         model = open_model(eval_models(run)[name], run)[0]
         records, replies = mask_records(model, prompts, block_size=S["block_size"], mask_id=tok.mask_id,
                                         eos_ids=eos_of(tok), max_new_tokens=c["max_new_tokens"],
-                                        batch=c["gen_batch"])
+                                        batch=eval_batch(c))
         ar = in_chunks(lambda b, m=model: generate_ar(m, b, c["max_new_tokens"], eos_of(tok)), prompts,
-                       c["gen_batch"])
+                       eval_batch(c))
         same = sum(r == g.ids for r, g in zip(replies, ar)) / len(ar)
         res["models"][name] = {**reliability(records), "replies_equal_greedy_ar": same}
         print(f"[eval f] {name}: " + ", ".join(

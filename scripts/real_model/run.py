@@ -129,6 +129,12 @@ def run_dtype(run, name=None):
     return compute_dtype(name or run.cfg["dtype"], run.cfg["device"])
 
 
+def eval_batch(cfg):
+    """How many prompts the evaluation decodes at once: "eval_batch", else gen_batch. Outputs do
+    not depend on it (a row's numbers do not depend on the rows beside it: tests/test_bf16.py)."""
+    return cfg.get("eval_batch") or cfg["gen_batch"]
+
+
 def eos_of(tok):
     return (tok.eos_id, tok.endoftext_id)
 

@@ -26,7 +26,7 @@ from exact import generate_exact
 from generate import generate_ar
 from scripts.common import time_once as timed
 from scripts.real_model.evaluation import bootstrap, eval_inputs, groups_of, in_chunks, per_prompt, prompts_of
-from scripts.real_model.run import BASE_DIR, eos_of, open_model, run_dtype
+from scripts.real_model.run import BASE_DIR, eos_of, eval_batch, open_model, run_dtype
 
 
 def decoders(run, model, tok, path):
@@ -76,17 +76,17 @@ def eval_exact(run):
     model, tok = open_model(run.path("train", "mars"), run)
     base = open_model(BASE_DIR, run)[0]
     fns = decoders(run, model, tok, run.path("train", "mars"))
-    fns_base = {n: f for n, f in decoders(run, base, tok, BASE_DIR).items() if n in ("our AR", "exact K=2",
-                                                                                    "HF prompt lookup")}
+    side = ("our AR", "exact K=2") + (("HF prompt lookup",) if c.get("hf_lookup_base", True) else ())
+    fns_base = {n: f for n, f in decoders(run, base, tok, BASE_DIR).items() if n in side}
     res = {"n_test": len(test), "n_val": len(val), "n_chat": len(chat), "tokens_per_forward": {}}
     for split, rows in (("test", test), ("chat", chat)):
         for owner, table_ in (("mars", fns), ("base", fns_base)):
             p, groups = prompts_of(tok, rows), groups_of(rows)
-            ar = in_chunks(table_["our AR"], p, c["gen_batch"])
+            ar = in_chunks(table_["our AR"], p, eval_batch(c))
             for n, fn in table_.items():
                 if split == "chat" and not (n == "exact K=2" or owner == "mars" and n == "our AR"):
                     continue  # far-from-training prompts: K = 2 (our AR is its reference)
-                gens = ar if n == "our AR" else in_chunks(fn, p, 1 if n.startswith("HF") else c["gen_batch"])
+                gens = ar if n == "our AR" else in_chunks(fn, p, 1 if n.startswith("HF") else eval_batch(c))
                 res["tokens_per_forward"][f"{split}/{owner}/{n}"] = per_prompt(gens, ar, groups)
                 print(f"[eval c] {split}/{owner}/{n}: {res['tokens_per_forward'][f'{split}/{owner}/{n}']}",
                       flush=True)
@@ -149,7 +149,8 @@ def speed_rows(t, ar="our AR", groups=None):
 
 def eval_timing(run):
     """(e) wall clock. K is chosen on the val prompts (the fastest exact mode against our AR,
-    one round); then our AR, exact mode at that K and HF prompt lookup on the same MARS model
+    one round; no round when "drafts" names one K); then our AR, exact mode at that K and HF
+    prompt lookup on the same MARS model
     are timed on the first n_timed test prompts, interleaved, timing_rounds rounds, at batch 1,
     and our AR and exact mode at batch 4. Off in the pilots ("timing": false)."""
     test, val, _, _ = eval_inputs(run)
@@ -157,12 +158,16 @@ def eval_timing(run):
     if not c["timing"]:
         return {}
     model, tok = open_model(run.path("train", "mars"), run)
-    fns, res = decoders(run, model, tok, run.path("train", "mars")), {}
-    val_p = [[p] for p in prompts_of(tok, val)]
-    v, _ = time_decoders({n: fns[n] for n in fns if n == "our AR" or n.startswith("exact")}, val_p, 1, dev)
-    v = speed_rows(v)
-    K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
-    res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
+    fns, res = decoders(run, model, tok, run.path("train", "mars")), {"dtype": str(run_dtype(run))}
+    if len(c["drafts"]) == 1:  # nothing to choose
+        res["k_choice"] = {"val_speed_vs_ar": {}, "drafts": c["drafts"][0]}
+    else:
+        val_p = [[p] for p in prompts_of(tok, val)]
+        lossless = {n: fns[n] for n in fns if n == "our AR" or n.startswith("exact")}
+        v = speed_rows(time_decoders(lossless, val_p, 1, dev)[0])
+        K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
+        res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
+    K = res["k_choice"]["drafts"]
     print(f"[eval e] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
     timed_rows = sorted(test[:c["n_timed"]], key=lambda r: str(r.get("group")))  # a batch: mostly one cluster
     test_p, groups = prompts_of(tok, timed_rows), groups_of(timed_rows)

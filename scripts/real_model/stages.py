@@ -146,7 +146,7 @@ EVALS = {"a_quality": eval_quality, "b_taus": eval_taus, "c_exact": eval_exact, 
 
 EVAL_KEYS = ("n_eval", "n_val", "n_tau", "n_curve", "n_timed", "timing", "timing_rounds", "taus",
              "taus_base", "drafts", "prompt_lookup", "max_new_tokens", "gen_batch", "arms", "curve_steps",
-             "eval_split", "dtype", "reliability")
+             "eval_split", "dtype", "reliability", "eval_batch", "hf_lookup_base")
 
 
 def stage_eval(run):
