@@ -114,11 +114,13 @@ def comparison_section(res, s):
 def taus_section(res, d):
     """The τ sweep on validation (τ chosen there) and on the evaluated prompts, and its figure."""
     b = res["b_taus"]
-    rows = [[where, name, p["tau"], f"{p['tokens_per_forward']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]",
+    rows = [[where, name, p["n"], p["groups"], p["tau"],
+             f"{p['tokens_per_forward']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]",
              fmt(p["identical"]), fmt(p["nll_under_base"])]
             for where, part in (("val", b["val"]), ("eval", b)) for name in ("mars", "base") if name in part
             for p in part[name]]
-    head = ["prompts", "model", "tau", "tokens/forward [95 %]", "identical to tau = 1", "NLL under base"]
+    head = ["prompts", "model", "n", "clusters", "tau", "tokens/forward [95 %]", "identical to tau = 1",
+            "NLL under base"]
     plot_taus(b, os.path.join(d, "tau_sweep.png"))
     note = (f"tau_lossless = {b['tau_lossless']:g}: the τ with the most tokens per forward whose replies' "
             f"NLL under the base stays within 3 % of τ = 1's, chosen on {b['n_val']} validation prompts.")
@@ -215,8 +217,12 @@ def targets(s):
 
 def page(res, s, d):
     """RESULTS.md's text for a round-3 results.json (figures written into d)."""
+    a = res["a_quality"]
+    sizes = (f"\n\nn: {a['n']} prompts' base replies ({a['groups']['base_replies']} clusters), "
+             f"{a['n_chat']} general-chat replies, {a['n_human']} human paragraphs ({a['groups']['human_chat']} clusters).\n")
     return intro(res) + "".join([
-        comparison_section(res, s), quality_section(res, s), greedy_section(res), taus_section(res, d),
+        comparison_section(res, s), quality_section(res, s).rstrip("\n") + sizes,
+        greedy_section(res).rstrip("\n") + f"\n\nn: {a['n']} prompts.\n", taus_section(res, d),
         reliability_section(res, d), decoders_section(res), timing_section(res), curve_section(res),
         section("Targets (issue 33), reported as reached", table(["target", "ours", "reached"], targets(s))),
         stages_section(res), side_by_side_section(res)])
