@@ -219,7 +219,8 @@ def page(res, s, d):
     """RESULTS.md's text for a round-3 results.json (figures written into d)."""
     a = res["a_quality"]
     sizes = (f"\n\nn: {a['n']} prompts' base replies ({a['groups']['base_replies']} clusters), "
-             f"{a['n_chat']} general-chat replies, {a['n_human']} human paragraphs ({a['groups']['human_chat']} clusters).\n")
+             f"{a['n_chat']} general-chat replies, {a['n_human']} human paragraphs "
+             f"({a['groups']['human_chat']} clusters).\n")
     return intro(res) + "".join([
         comparison_section(res, s), quality_section(res, s).rstrip("\n") + sizes,
         greedy_section(res).rstrip("\n") + f"\n\nn: {a['n']} prompts.\n", taus_section(res, d),
