@@ -16,7 +16,7 @@ import torch
 from exact import generate_exact
 from generate import generate, generate_ar, mars_decode
 from scripts.real_model.reliability import mask_records, reliability, tau_lossless
-from scripts.real_model.run import BASE_DIR, chat_ids, chunks, eos_of, eval_batch, open_model
+from scripts.real_model.run import BASE_DIR, arms, chat_ids, chunks, eos_of, eval_batch, open_model
 from tokenizer import Tokenizer
 
 
@@ -121,10 +121,8 @@ def groups_of(rows):
 
 def eval_models(run):
     """name -> directory of each model evaluated: the base, each comparison arm, MARS (the recipe)."""
-    S, out = run.train_settings(), {"base": BASE_DIR}
-    for name, over in run.cfg.get("arms", {}).items():
-        out[name] = run.path("arms", name, "mars" if over.get("mars_steps", S["mars_steps"]) else "ar")
-    return {**out, "mars": run.path("train", "mars")}
+    trained = {name: run.path("arms", name, stage) for name, (_, stage) in arms(run).items()}
+    return {"base": BASE_DIR, **trained, "mars": run.path("train", "mars")}
 
 
 def prompts_of(tok, rows):
@@ -304,9 +302,9 @@ def eval_reliability(run):
     _, val, _, _ = eval_inputs(run)
     c, tok, S = run.cfg, Tokenizer.from_dir(BASE_DIR), run.train_settings()
     prompts, res = prompts_of(tok, val), {"n": len(val), "groups": len(set(groups_of(val))), "models": {}}
-    mars_like = [n for n, p in eval_models(run).items() if n == "base" or os.path.basename(p) == "mars"]
-    for name in mars_like:
-        model = open_model(eval_models(run)[name], run)[0]
+    mars_like = {n: p for n, p in eval_models(run).items() if n == "base" or os.path.basename(p) == "mars"}
+    for name, path in mars_like.items():
+        model = open_model(path, run)[0]
         records, replies = mask_records(model, prompts, block_size=S["block_size"], mask_id=tok.mask_id,
                                         eos_ids=eos_of(tok), max_new_tokens=c["max_new_tokens"],
                                         batch=eval_batch(c))

@@ -124,6 +124,18 @@ def open_model(path, run, base=BASE_DIR, dtype=None):
     return ck.model, Tokenizer.from_dir(base)
 
 
+def arms(run):
+    """name -> (train.py's overrides, the stage its weights end with: "mars" or "ar") of each of
+    the config's comparison arms; an AR arm (mars_steps 0) runs as many AR steps as the recipe
+    runs MARS steps."""
+    S, out = run.train_settings(), {}
+    for name, over in run.cfg.get("arms", {}).items():
+        if over.get("mars_steps") == 0 and "ar_steps" not in over:
+            over = {**over, "ar_steps": S["mars_steps"]}
+        out[name] = (over, "mars" if over.get("mars_steps", S["mars_steps"]) else "ar")
+    return out
+
+
 def run_dtype(run, name=None):
     """The torch dtype of `name` (default: the config's "dtype"); "auto" is choose_dtype's pick."""
     return compute_dtype(name or run.cfg["dtype"], run.cfg["device"])

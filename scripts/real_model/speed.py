@@ -168,7 +168,7 @@ def eval_timing(run):
         K = max(c["drafts"], key=lambda k: v[f"exact K={k}"]["speed_vs_ar"])
         res["k_choice"] = {"val_speed_vs_ar": {n: r["speed_vs_ar"] for n, r in v.items()}, "drafts": K}
     K = res["k_choice"]["drafts"]
-    print(f"[eval e] K = {K} chosen on {len(val)} val prompts: {res['k_choice']}", flush=True)
+    print(f"[eval e] K = {K}: {res['k_choice']}", flush=True)
     timed_rows = sorted(test[:c["n_timed"]], key=lambda r: str(r.get("group")))  # a batch: mostly one cluster
     test_p, groups = prompts_of(tok, timed_rows), groups_of(timed_rows)
     pick = {n: fns[n] for n in ("our AR", f"exact K={K}", "HF prompt lookup")}

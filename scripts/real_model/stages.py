@@ -33,7 +33,6 @@ from scripts.real_model.evaluation import (
     eval_reliability,
     eval_taus,
     side_by_side,
-    teacher_forced,
 )
 from scripts.real_model.replies import (
     REPLY_SPLITS,
@@ -47,8 +46,8 @@ from scripts.real_model.replies import (
     teacher_topk,
 )
 from scripts.real_model.report import write_page
-from scripts.real_model.run import BASE_DIR, GGUF, digest
-from scripts.real_model.speed import eval_exact, eval_timing, time_decoders
+from scripts.real_model.run import BASE_DIR, GGUF, arms, digest
+from scripts.real_model.speed import eval_exact, eval_timing
 from scripts.real_model.training import train
 from util.atomic import write_json
 
@@ -130,13 +129,10 @@ def stage_arms(run):
     paper's recipe). An AR arm's KL to the teacher starts at its minimum (the teacher is the
     starting model): AdamW's first normalised steps then follow the stored teacher's rounding."""
     S = run.train_settings()
-    for name, over in run.cfg.get("arms", {}).items():
-        if over.get("mars_steps") == 0 and "ar_steps" not in over:
-            over = {**over, "ar_steps": S["mars_steps"]}  # an AR arm: as many steps as the recipe's
+    for name, (over, stage) in arms(run).items():
         key = digest("arm", name, {**S, **over}, ("file", run.path("data", "train.npz")),
                      ("file", run.path("data", "val.npz")), *[("file", f) for f in TRAINING])
         fresh = run.manifest.get(f"arm {name}", {}).get("key") != key
-        stage = "mars" if over.get("mars_steps", S["mars_steps"]) else "ar"
         run.stage(f"arm {name}", key, [run.path("arms", name, stage, "model.safetensors")],
                   lambda n=name, o=over, f=fresh: train(run, os.path.join("arms", n), o, f))
 
@@ -154,8 +150,7 @@ def stage_eval(run):
                      if k == "train" or k.startswith("arm "))
     key = digest("eval", {k: run.cfg.get(k) for k in EVAL_KEYS}, trained,
                  *[("file", f) for f in DECODING + ("exact.py",) + EVAL_CODE],
-                 *[("file", run.data(f)) for f in ("prompts.json", "val.jsonl", "test.jsonl", "chat.jsonl")],
-                 *[("code", f) for f in EVALS.values()], ("code", teacher_forced), ("code", time_decoders))
+                 *[("file", run.data(f)) for f in ("prompts.json", "val.jsonl", "test.jsonl", "chat.jsonl")])
     outs = {name: run.path("eval", f"{name}.json") for name in EVALS}
     run.stage("eval", key, list(outs.values()), lambda: make_eval(run, key, outs))
 
