@@ -138,3 +138,32 @@ def test_round3_summary_keeps_round2_keys_and_adds_the_issues():
     assert arms == (0.01, 0.2, 0.1)
     assert s["test_groups"] == 23.0 and s["eval_minutes"] == 15.0 and s["run_hours"] == 4500 / 3600
     assert s["mars_greedy_identical_to_base"] == 0.25
+
+
+def test_round3_committed_page_renders_and_its_headlines_follow_from_the_raw_numbers(tmp_path, monkeypatch):
+    """results/real_model/r3/results.json alone gives back the committed RESULTS.md and summary.json
+    byte for byte (the page can be regenerated, and a change to round3.py that alters it is seen
+    here); and the headline numbers of summary.json follow from the raw ones by the rules written
+    out here: the paired speed from the per-round times, tokens per forward from tokens / forwards,
+    tau_lossless's tokens per forward from the sweep's row at that τ, the test clusters from the
+    evaluated rows."""
+    from scripts.real_model.report import write_page
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+    d = os.path.join("results", "real_model", "r3")
+    res = json.load(open(os.path.join(d, "results.json")))
+    write_page(res, str(tmp_path))
+    for name in ("RESULTS.md", "summary.json"):
+        assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
+    s = json.load(open(os.path.join(d, "summary.json")))
+    for bs in (1, 4):
+        t = res["e_timing"]["timing"][f"batch {bs}"]
+        ratios = sorted(sum(a) / sum(e) for a, e in zip(t["our AR"]["times_s"], t["exact K=2"]["times_s"]))
+        mid = len(ratios) // 2
+        median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        assert s[f"exact_speed_vs_ar_batch{bs}"] == pytest.approx(median, rel=1e-12)
+    k2 = res["c_exact"]["tokens_per_forward"]["test/mars/exact K=2"]
+    assert s["exact_tokens_per_forward_k2_batch1"] == pytest.approx(k2["tokens"] / k2["forwards"], rel=1e-12)
+    row = [r for r in res["b_taus"]["mars"] if r["tau"] == s["tau_lossless"]][0]
+    assert s["tau_lossless_tokens_per_forward"] == pytest.approx(row["tokens"] / row["forwards"], rel=1e-12)
+    assert s["test_groups"] == k2["groups"] and s["test_groups"] >= 20
