@@ -165,3 +165,24 @@ def test_round3_committed_page_renders_and_its_headlines_follow_from_the_raw_num
     row = [r for r in res["b_taus"]["mars"] if r["tau"] == s["tau_lossless"]][0]
     assert s["tau_lossless_tokens_per_forward"] == pytest.approx(row["tokens"] / row["forwards"], rel=1e-12)
     assert s["test_groups"] == k2["groups"] and s["test_groups"] >= 20
+
+
+def test_round3_curve_page_renders_and_reaches_twice_round2s_tokens(tmp_path, monkeypatch):
+    """results/real_model/r3/curve/results.json alone gives back its committed RESULTS.md and
+    summary.json byte for byte; and the curve it reports is the one item 4 asks for: snapshots up
+    to at least 2x round 2's MARS rows (250 steps x 8), each judged on at least 32 validation prompts
+    with a cluster interval that contains its point, the base (step 0) first."""
+    from scripts.real_model.report import write_page
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+    d = os.path.join("results", "real_model", "r3", "curve")
+    res = json.load(open(os.path.join(d, "results.json")))
+    write_page(res, str(tmp_path))
+    for name in ("RESULTS.md", "summary.json"):
+        assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
+    S, curve = res["train_settings"], res["d_curve"]
+    assert curve[0]["step"] == 0 and curve[-1]["step"] == S["mars_steps"]
+    assert S["mars_steps"] * S["batch_size"] >= 2 * 250 * 8
+    for p in curve:
+        lo, hi = p["tpf_ci95"]
+        assert p["n"] >= 32 and lo <= p["tokens_per_forward"] <= hi, p["step"]
