@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scripts.real_model import committed, stages
-from scripts.real_model.evaluation import bootstrap, eval_models
+from scripts.real_model.evaluation import bootstrap, eval_models, mask_models
 from scripts.real_model.report import summary as round2_summary
 from scripts.real_model.round3 import summary
 from scripts.real_model.run import Run
@@ -109,6 +109,8 @@ def test_every_arm_trains_on_the_recipes_rows_and_steps(tmp_path, monkeypatch):
     assert eval_models(run) == {"base": "out/smollm2", "ar_kl": run.path("arms", "ar_kl", "ar"),
                                 "mars_ce": run.path("arms", "mars_ce", "mars"),
                                 "mars": run.path("train", "mars")}
+    assert mask_models(run) == {"base": "out/smollm2", "mars_ce": run.path("arms", "mars_ce", "mars"),
+                                "mars": run.path("train", "mars")}  # the reliability diagram's: no AR arm
 
 
 def test_round3_summary_keeps_round2_keys_and_adds_the_issues():

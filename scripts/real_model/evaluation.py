@@ -294,6 +294,13 @@ def side_by_side(run, n=3):
     return rows
 
 
+def mask_models(run):
+    """eval_models less the AR arms: the models whose masks mean something (the base's untrained
+    ones as the reference)."""
+    ar_arms = {name for name, (_, stage) in arms(run).items() if stage == "ar"}  # no mask stream
+    return {n: p for n, p in eval_models(run).items() if n not in ar_arms}
+
+
 def eval_reliability(run):
     """(f) why the τ rule accepts what it does (issue 33): on the validation prompts, for the base,
     every MARS-trained arm and the recipe, each mask position's candidate against the token
@@ -302,8 +309,7 @@ def eval_reliability(run):
     _, val, _, _ = eval_inputs(run)
     c, tok, S = run.cfg, Tokenizer.from_dir(BASE_DIR), run.train_settings()
     prompts, res = prompts_of(tok, val), {"n": len(val), "groups": len(set(groups_of(val))), "models": {}}
-    mars_like = {n: p for n, p in eval_models(run).items() if n == "base" or os.path.basename(p) == "mars"}
-    for name, path in mars_like.items():
+    for name, path in mask_models(run).items():
         model = open_model(path, run)[0]
         records, replies = mask_records(model, prompts, block_size=S["block_size"], mask_id=tok.mask_id,
                                         eos_ids=eos_of(tok), max_new_tokens=c["max_new_tokens"],

@@ -169,6 +169,8 @@ def timing_section(res):
     head = ["batch", "decoder", "items", "median s", "speed vs our AR: median paired ratio [95 %, clusters]",
             "ratio of medians", "identical to our AR"]
     dtype = e.get("dtype") or res["train_settings"].get("dtype", "float32")
+    if not rows:  # a run with "timing": false (a pilot, the curve) measures no wall clock
+        return section("Wall clock", "Not measured in this run (its config says `\"timing\": false`).")
     title = (f"Wall clock in {dtype} ({cfg['timing_rounds']} "
              f"interleaved rounds, {cfg['n_timed']} prompts)")
     return section(title, table(head, rows))
