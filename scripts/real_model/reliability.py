@@ -191,7 +191,7 @@ def reliability_figure(by_model, path):
         ax.set(xlim=(-0.02, 1.02), ylim=(-0.02, 1.02), xlabel=f"probability of c_{j} (bin mean)",
                ylabel="accuracy (c_j = greedy AR's token)", title=f"mask position j = {j}")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Reliability of the mask candidates (marker area: share of the candidates)")
+    fig.suptitle("Reliability of the mask candidates\n(marker area: share of the candidates)")
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), "wb")
     plt.close(fig)
