@@ -172,8 +172,8 @@ def test_round3_committed_page_renders_and_its_headlines_follow_from_the_raw_num
 def test_round3_curve_page_renders_and_reaches_twice_round2s_tokens(tmp_path, monkeypatch):
     """results/real_model/r3/curve/results.json alone gives back its committed RESULTS.md and
     summary.json byte for byte; and the curve it reports is the one item 4 asks for: snapshots up
-    to at least 2x round 2's MARS rows (250 steps x 8), each judged on at least 32 validation prompts
-    with a cluster interval that contains its point, the base (step 0) first."""
+    to at least 2x round 2's MARS rows (its results.json: 250 steps x 8), each judged on at least
+    32 validation prompts with a cluster interval that contains its point, the base (step 0) first."""
     from scripts.real_model.report import write_page
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
@@ -184,7 +184,8 @@ def test_round3_curve_page_renders_and_reaches_twice_round2s_tokens(tmp_path, mo
         assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
     S, curve = res["train_settings"], res["d_curve"]
     assert curve[0]["step"] == 0 and curve[-1]["step"] == S["mars_steps"]
-    assert S["mars_steps"] * S["batch_size"] >= 2 * 250 * 8
+    r2 = json.load(open(os.path.join("results", "real_model", "results.json")))["train_settings"]
+    assert S["mars_steps"] * S["batch_size"] >= 2 * r2["mars_steps"] * r2["batch_size"]
     for p in curve:
         lo, hi = p["tpf_ci95"]
         assert p["n"] >= 32 and lo <= p["tokens_per_forward"] <= hi, p["step"]
