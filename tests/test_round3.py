@@ -142,6 +142,20 @@ def test_round3_summary_keeps_round2_keys_and_adds_the_issues():
     assert s["mars_greedy_identical_to_base"] == 0.25
 
 
+def rerendered(d, tmp_path, monkeypatch):
+    """d's results.json (d relative to the repo root) -> that dict, after asserting that the page
+    rendered from it alone into tmp_path equals d's committed RESULTS.md and summary.json byte for
+    byte."""
+    from scripts.real_model.report import write_page
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+    res = json.load(open(os.path.join(d, "results.json")))
+    write_page(res, str(tmp_path))
+    for name in ("RESULTS.md", "summary.json"):
+        assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
+    return res
+
+
 def test_round3_committed_page_renders_and_its_headlines_follow_from_the_raw_numbers(tmp_path, monkeypatch):
     """results/real_model/r3/results.json alone gives back the committed RESULTS.md and summary.json
     byte for byte (the page can be regenerated, and a change to round3.py that alters it is seen
@@ -149,14 +163,8 @@ def test_round3_committed_page_renders_and_its_headlines_follow_from_the_raw_num
     out here: the paired speed from the per-round times, tokens per forward from tokens / forwards,
     tau_lossless's tokens per forward from the sweep's row at that τ, the test clusters from the
     evaluated rows."""
-    from scripts.real_model.report import write_page
-
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
     d = os.path.join("results", "real_model", "r3")
-    res = json.load(open(os.path.join(d, "results.json")))
-    write_page(res, str(tmp_path))
-    for name in ("RESULTS.md", "summary.json"):
-        assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
+    res = rerendered(d, tmp_path, monkeypatch)
     s = json.load(open(os.path.join(d, "summary.json")))
     for bs in (1, 4):
         t = res["e_timing"]["timing"][f"batch {bs}"]
@@ -174,14 +182,7 @@ def test_round3_curve_page_renders_and_reaches_twice_round2s_tokens(tmp_path, mo
     summary.json byte for byte; and the curve it reports is the one item 4 asks for: snapshots up
     to at least 2x round 2's MARS rows (its results.json: 250 steps x 8), each judged on at least
     32 validation prompts with a cluster interval that contains its point, the base (step 0) first."""
-    from scripts.real_model.report import write_page
-
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-    d = os.path.join("results", "real_model", "r3", "curve")
-    res = json.load(open(os.path.join(d, "results.json")))
-    write_page(res, str(tmp_path))
-    for name in ("RESULTS.md", "summary.json"):
-        assert (tmp_path / name).read_text() == open(os.path.join(d, name)).read(), name
+    res = rerendered(os.path.join("results", "real_model", "r3", "curve"), tmp_path, monkeypatch)
     S, curve = res["train_settings"], res["d_curve"]
     assert curve[0]["step"] == 0 and curve[-1]["step"] == S["mars_steps"]
     r2 = json.load(open(os.path.join("results", "real_model", "results.json")))["train_settings"]

@@ -166,11 +166,11 @@ def timing_section(res):
              f"{r['speed_paired']:.3f}x [{r['speed_paired_ci95'][0]:.3f}, {r['speed_paired_ci95'][1]:.3f}]",
              f"{r['speed_vs_ar']:.3f}x", fmt(r["identical_to_ar"])]
             for bs, by_decoder in e.get("timing", {}).items() for n, r in by_decoder.items()]
+    if not rows:  # a run with "timing": false (a pilot, the curve) measures no wall clock
+        return section("Wall clock", "Not measured in this run (its config says `\"timing\": false`).")
     head = ["batch", "decoder", "items", "median s", "speed vs our AR: median paired ratio [95 %, clusters]",
             "ratio of medians", "identical to our AR"]
     dtype = e.get("dtype") or res["train_settings"].get("dtype", "float32")
-    if not rows:  # a run with "timing": false (a pilot, the curve) measures no wall clock
-        return section("Wall clock", "Not measured in this run (its config says `\"timing\": false`).")
     title = (f"Wall clock in {dtype} ({cfg['timing_rounds']} "
              f"interleaved rounds, {cfg['n_timed']} prompts)")
     return section(title, table(head, rows))
