@@ -1,4 +1,4 @@
-"""Interactive MARS chat for `python generate.py --ckpt DIR --chat` (MARS_SPEC §5).
+"""Interactive MARS chat for `python generate.py --ckpt DIR --chat` (docs/spec.md §5).
 
 The model stays loaded; `/tau X` sets τ for the next reply (τ is a per-request number, §5),
 so one session can compare AR (`/tau 1`) and multi-token replies; `/temperature X`,

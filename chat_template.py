@@ -1,4 +1,5 @@
-"""Chat templates, rendered the way transformers renders them (MARS_SPEC §2: a row is a ChatML conversation).
+"""Chat templates, rendered the way transformers renders them (docs/spec.md §2: a row is a
+ChatML conversation).
 
 What it holds: Qwen2.5-Instruct's template (the default for a checkpoint that brings none,
 and what `chatml_template` re-targets to another default system turn), and `render_chat`,

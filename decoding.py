@@ -1,5 +1,5 @@
 """Decoding plumbing shared by every decoder: what a step yields, the live τ, request
-checks, the one EOS/budget cut, the candidates, and collecting results (MARS_SPEC §5).
+checks, the one EOS/budget cut, the candidates, and collecting results (docs/spec.md §5).
 
 generate.py (the τ-gated loop, §5-§6), exact.py (exact mode) and chat.py all build on
 this file, and it imports none of them (only the sampling kernels, sampling.py). It knows
@@ -86,9 +86,10 @@ def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None,
 
 
 # ---------------------------------------------------------------- tensors in, tensors out
-def pad_rows(rows, pad_id, device):
-    """Right-pad lists of ids into a (N, T) tensor."""
-    T = max(len(r) for r in rows)
+def pad_rows(rows, pad_id, device, width=None):
+    """Right-pad lists of ids into a (N, T) tensor, T = the longest row, or `width` (a compiled
+    step's fixed width)."""
+    T = max(len(r) for r in rows) if width is None else width
     return torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long, device=device)
 
 

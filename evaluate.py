@@ -1,6 +1,6 @@
 """Held-out accuracy and tokens per forward of a checkpoint on the synthetic test split.
 
-Greedy decoding with the τ-gated acceptance rule of MARS_SPEC §5 (τ = 1 is plain AR,
+Greedy decoding with the τ-gated acceptance rule of docs/spec.md §5 (τ = 1 is plain AR,
 one token per forward). A problem counts as solved when the reply's last line reads
 "The answer is X." with X exactly the expected answer (data/synthetic.py).
 Tokens per forward = generated tokens / forward passes, summed over all problems

@@ -1,4 +1,4 @@
-"""Exact mode: the AR output at several tokens per forward (MARS_SPEC §3, §5, §6), greedy
+"""Exact mode: the AR output at several tokens per forward (docs/spec.md §3, §5, §6), greedy
 or sampled.
 
 The τ rule of §5 trades accuracy for speed. Exact mode keeps the AR output (greedy:
@@ -69,14 +69,14 @@ from sampling import GREEDY, greedy_accept, pick, processed_probs, sample_drafts
 
 
 # ---------------------------------------------------------------- one step
-def step_input(c0, drafts, group_size, lengths, mask_id):
+def step_input(c0, drafts, group_size, lengths, mask_id, k=None):
     """The tokens (N, T), position ids (N, T) and mask (T, T) of one step, T = (1+k)(1+g).
 
-    c0: the pending token per row; drafts: per row a list of <= k drafts (k = the most
-    any row has); lengths (N,): the cached prefix length |P| of each row. Real token i
-    sits at position |P|+i, mask m of group j at |P|+j+1+m."""
-    k, device = max(map(len, drafts)), lengths.device
-    real = pad_rows([[c] + d for c, d in zip(c0, drafts)], mask_id, device)  # (N, 1+k)
+    c0: the pending token per row; drafts: per row a list of <= k drafts (k: the most any row
+    has, or K in a compiled step, whose shape is fixed); lengths (N,): the cached prefix
+    length |P| of each row. Real token i sits at position |P|+i, mask m of group j at |P|+j+1+m."""
+    k, device = max(map(len, drafts)) if k is None else k, lengths.device
+    real = pad_rows([[c] + d for c, d in zip(c0, drafts)], mask_id, device, 1 + k)  # (N, 1+k)
     masks = torch.full((len(c0), (1 + k) * group_size), mask_id, dtype=torch.long, device=device)
     j = torch.arange(1 + k, device=device).repeat_interleave(group_size)  # group of each mask
     m = torch.arange(group_size, device=device).repeat(1 + k)  # index inside the group
@@ -171,14 +171,15 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     while not all(rows.done):
         # drafts past the budget could never be emitted: do not forward them
         d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(N)]
-        tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
+        k = K if model.compiled_hidden is not None else max(map(len, d))  # drafts' slots this step
+        tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id, k)
         # one LM head call for the verification and every group: which group is read
         # depends on the verification, and a second call would stream the head's V x C
         # weights again (results/SPEED.md, issue 22)
-        logits = model.lm_head(model.hidden(tokens, positions, mask, cache))  # (N, T, V)
+        logits = model.lm_head(model.step(tokens, positions, mask, cache))  # (N, T, V)
         forwards += 1
         a, bonus = verify(logits, d, q, s, gens)
-        d_next, q = draft(group_logits(logits, a, max(map(len, d)), K), draft_threshold, s, gens)
+        d_next, q = draft(group_logits(logits, a, k, K), draft_threshold, s, gens)
         emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
         new = rows.keep(emitted)
         keep_verified(cache, a, ~torch.tensor(rows.done, device=device))

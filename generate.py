@@ -1,4 +1,4 @@
-"""MARS inference: τ-gated multi-token decoding (MARS_SPEC §5) with exact KV caches (§6),
+"""MARS inference: τ-gated multi-token decoding (docs/spec.md §5) with exact KV caches (§6),
 the plain AR decoder it is measured against, and the command line.
 
 Each step appends B `<|mask|>` tokens to the prefix and runs ONE plain causal
@@ -61,6 +61,7 @@ from decoding import (
 )
 from exact import check_exact, exact_steps
 from kvcache import KVCache
+from model import compile_decoding
 from sampling import GREEDY, METRICS, Sampling, confident, row_generators
 from util.files import USER_ERRORS, error_line
 from util.precision import choose_dtype, dtype_name
@@ -106,12 +107,19 @@ def nocache_logits(model, seqs, B, mask_id):
     return logits_at(model, h, last, B)
 
 
-def extend_cache(model, cache, tokens, n):
+def compiled(model):
+    """Whether decoding steps run compiled (model.compile_decoding): then every step forwards
+    its decoder's fixed width, padded, and never reads a length back from the device."""
+    return model.compiled_hidden is not None
+
+
+def extend_cache(model, cache, tokens, n, step=False):
     """Forward tokens (N, T) against the cache, commit the first n[i] of each row, and
     return the final hidden state of each row's last committed token (N, C): the prefill,
     an AR step, and the block cache's per-block extension (§6 step 3). The stored "last
-    logit" is kept as this hidden state; the LM head is applied when a candidate is read."""
-    h = model.hidden(tokens[:, : int(n.max())], cache=cache)  # (N, T, C)
+    logit" is kept as this hidden state; the LM head is applied when a candidate is read.
+    step: a decoding step of fixed width T (model.step); else eager, cut to the longest n."""
+    h = model.step(tokens, cache=cache) if step else model.hidden(tokens[:, : int(n.max())], cache=cache)
     cache.commit(n)
     return h[torch.arange(h.shape[0], device=h.device), (n - 1).clamp(min=0)]
 
@@ -141,7 +149,11 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, g
     pending = [list(p) for p in prompts]
     while not all(rows.done):
         tau, active = knob.tau, rows.active()
-        h = model.hidden(pad_rows([p + [mask_id] * B for p in pending], mask_id, device), cache=cache)
+        window = [p + [mask_id] * B for p in pending]
+        if forwards == 0:  # the prefill: the prompts and B masks, eager
+            h = model.hidden(pad_rows(window, mask_id, device), cache=cache)
+        else:  # [at most B accepted | B masks], 2B wide when compiled
+            h = model.step(pad_rows(window, mask_id, device, 2 * B if compiled(model) else None), cache=cache)
         n = torch.tensor([len(p) for p in pending], device=device)
         cache.commit(n)
         forwards += 1
@@ -184,7 +196,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
         growing = [b for b in rows.active() if filled[b] < block_cache]
         if not growing:  # (3) every row filled the block: commit it, start the next one
             n = torch.tensor([0 if d else f for d, f in zip(rows.done, filled)], device=device)
-            last = extend_cache(model, cache, block, n)
+            last = extend_cache(model, cache, block, n, step=compiled(model))
             forwards += 1
             block.fill_(mask_id)
             filled = [0] * N
@@ -192,8 +204,8 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
         tau = knob.tau
         W = max(filled[b] for b in growing) + B - 1  # the last candidate needed is output W-1
         h = last.new_zeros(N, 0, last.shape[-1])
-        if W > 0:  # (2) inner step: forward the block only; nothing is committed
-            h = model.hidden(block[:, :W], cache=cache)  # (N, W, C)
+        if W > 0:  # (2) inner step: forward the block only (all of it when compiled); no commit
+            h = model.step(block if compiled(model) else block[:, :W], cache=cache)[:, :W]  # (N, W, C)
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
@@ -265,7 +277,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, gener
         if all(rows.done):
             return
         tok = torch.tensor([t[0] if t else 0 for t in new], device=device)[:, None]  # (N, 1)
-        last = extend_cache(model, cache, tok, torch.ones_like(lens))
+        last = extend_cache(model, cache, tok, torch.ones_like(lens), step=True)
         forwards += 1
 
 
@@ -332,7 +344,7 @@ def decoder(args, model, block_size, mask_id, eos_ids):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="MARS τ-gated multi-token generation (MARS_SPEC §5-6)")
+    p = argparse.ArgumentParser(description="MARS τ-gated multi-token generation (docs/spec.md §5-6)")
     p.add_argument("--ckpt", required=True, help="HF-layout checkpoint directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="a user message, sent through the chat template")
@@ -363,7 +375,10 @@ def parse_args(argv=None):
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (the default): cuda when present, else cpu")
+    p.add_argument("--compile", action="store_true", help="compile the decoding step once per shape "
+                   "(model.compile_decoding: CUDA graphs on a GPU, inductor on the CPU; the first "
+                   "reply pays the compile)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 where the device has bf16 units, else float32 (util/precision.py)")
     args = p.parse_args(argv)
@@ -394,8 +409,9 @@ def tau_of(args, ck, metric):
     if ck.block_size is not None or "mars.json" not in os.listdir(ck.path):
         return 0.95
     tau = 0.0 if metric == "entropy" else 1.0
-    print(f"[tau={tau} (plain AR): {ck.path}/mars.json records no block size, the model is not "
-          "MARS-trained; give --tau to override]", file=sys.stderr)
+    if not args.exact:  # exact mode reads no τ
+        print(f"[tau={tau} (plain AR): {ck.path}/mars.json records no block size, the model is not "
+              "MARS-trained; give --tau to override]", file=sys.stderr)
     return tau
 
 
@@ -405,9 +421,13 @@ def run(args):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
     if args.tau is not None:
         check_tau(args.tau, sampling.accept_metric)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype, why = choose_dtype(args.dtype, args.device)
     ck = load_checkpoint(args.ckpt, args.device, dtype)
     print(f"[{dtype_name(dtype)}: {why}]", file=sys.stderr)  # said once it loaded
+    if args.compile:
+        compile_decoding(ck.model)
     args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")

@@ -1,4 +1,4 @@
-"""A preallocated key/value cache with explicit per-row lengths (MARS_SPEC §6).
+"""A preallocated key/value cache with explicit per-row lengths (docs/spec.md §6).
 
 Layout: K and V are (n_layers, N, n_kv_heads, max_len, head_dim) tensors allocated
 once, N rows. Row b's committed tokens occupy slots 0 .. lengths[b]-1; their position id is
@@ -19,21 +19,28 @@ That single rule gives every cache mode of the spec:
   * block cache: inner steps forward the block's slots and commit nothing (the
     prefix cache stays fixed); one final forward of the filled block commits it.
 
-In bf16 (and fp16) attention reads a key span padded to a multiple of KEY_BLOCK slots, the
-slots past `end` masked out. Why: the CPU's attention kernel sums a row over its keys in an
-order that depends on how many keys it is given, and a bf16 output keeps the difference (on an
-AMD EPYC, 25 of 60 random bf16 rows over 3-80 keys changed by an ulp when 8 more keys were
-given, masked). An AR step reads max(lengths) + 1 keys, exact mode's verification
-max(lengths) + T; padded to whole blocks, the row comes out bitwise the same
-(tests/test_bf16.py). In fp32 the difference stays in a float32's last bits and the span is
-`end`, as always.
+In bf16 (and fp16) attention reads the whole cache at every step, its slot count a multiple
+of KEY_BLOCK, the slots a row may not see masked (`fixed_shapes`): every attention call of a
+decode then has one key count, whatever the rows' lengths and the step, which is half of
+what makes a decoding row's bits independent of the rows beside it and of the decoder
+(model.py, "Row invariance"). A key block past every row's end is fully masked and adds
+exact zeros, so the capacity itself does not change a row either. In fp32 attention reads the
+slots in use, `end`: there the difference of two summation orders stays in a float32's
+last bits.
+
+A static cache (`static=True`, what a compiled decoding step uses: model.compile_decoding)
+is the same layout with no host sync in a forward: `begin` does not read the lengths back
+(the decoder sized the cache so that nothing can overflow), attention reads every slot, and
+writes go to each row's slots by index. Every step of a decoder then has one shape, as
+torch.compile and a CUDA graph need (gpt-fast's preallocated cache written at `input_pos`).
 """
 
 import torch
 
 from util.precision import LOW_PRECISION
 
-KEY_BLOCK = 64  # LOW_PRECISION: attention reads whole blocks of this many key slots
+KEY_BLOCK = 512  # LOW_PRECISION: the cache has a multiple of this many slots, all read
+# (512: the key block of the CPU's flash attention from 512 keys on, so every block is whole)
 
 
 def round_up(n, block):
@@ -42,35 +49,54 @@ def round_up(n, block):
 
 class KVCache:
     def __init__(self, n_layers, batch_size, n_kv_heads, head_dim, max_len,
-                 dtype=torch.float32, device="cpu"):
-        self.key_block = KEY_BLOCK if dtype in LOW_PRECISION else 1
-        # room for the last padded span
+                 dtype=torch.float32, device="cpu", static=False):
+        self.fixed_shapes = dtype in LOW_PRECISION  # tiled kernels, every slot read (see above)
+        self.static = static  # no host sync in a forward; every slot read (see above)
+        # whole key blocks: one shape for every request up to 512 slots (a compiled step's too)
+        self.key_block = KEY_BLOCK if self.fixed_shapes or static else 1
         shape = (n_layers, batch_size, n_kv_heads, round_up(max_len, self.key_block), head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.T = None  # tokens placed by `begin` for the next forward; None = nothing placed
+        if static and self.k.is_cuda:  # a CUDA graph writes into these very tensors
+            torch._dynamo.mark_static_address(self.k)
+            torch._dynamo.mark_static_address(self.v)
 
     @classmethod
     def for_model(cls, model, batch_size, max_len):
+        """A cache for `model`'s layers and dtype; static when its decoding step is compiled."""
         cfg = model.config
         p = next(model.parameters())
         return cls(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                   max_len, p.dtype, p.device)
+                   max_len, p.dtype, p.device, static=getattr(model, "compiled_hidden", None) is not None)
+
+    @classmethod
+    def over(cls, k, v, lengths):
+        """A static cache over existing tensors (the compiled step builds one from its inputs)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.lengths, cache.max_len, cache.T = k, v, lengths, k.shape[3], None
+        cache.fixed_shapes, cache.static = k.dtype in LOW_PRECISION, True
+        cache.key_block = KEY_BLOCK
+        return cache
 
     def begin(self, T):
         """Place the T new tokens of the next forward at slots lengths[b] .. lengths[b]+T-1,
         once for all layers (model.hidden calls it). Sets `end` = max(lengths) + T, the
-        slots in use; `span`, the slots attention reads (`end` rounded up to the key block);
+        slots in use; `span`, the slots attention reads (`end`, or every slot if fixed_shapes);
         and `at` = the common length when every row has the same one (a write is then a plain
         slice; batch 1 always), else None."""
+        if self.static:  # every slot read, writes by index: nothing read back from the device
+            self.T, self.at, self.span = T, None, self.k.shape[3]
+            self.slots = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+            return
         lo, hi = torch.aminmax(self.lengths)
         lo, hi = int(lo), int(hi)  # one device sync per forward, not one per layer
         if hi + T > self.max_len:
             raise ValueError(f"KV cache overflow: need {hi + T} slots, allocated max_len={self.max_len}")
         self.T, self.end, self.at = T, hi + T, lo if lo == hi else None
-        self.span = round_up(self.end, self.key_block)
+        self.span = self.k.shape[3] if self.fixed_shapes else self.end
         self.slots = None if lo == hi else self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
     def write(self, layer, k_new, v_new):

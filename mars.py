@@ -1,6 +1,6 @@
 """MARS training objective: block padding, the two-stream input, its attention mask, the loss.
 
-MARS (MARS_SPEC §1) fine-tunes an AR model so that a `<|mask|>` placeholder predicts
+MARS (docs/spec.md §1) fine-tunes an AR model so that a `<|mask|>` placeholder predicts
 the token several steps ahead, while keeping every AR convention: causal attention,
 right-shifted logits, left-to-right order. Training needs no new parameter; all of
 the method is in how one batch is laid out and which tokens may see which:
@@ -206,7 +206,7 @@ def _ce_at(model, h, rows, src, tokens):
 def teacher_kl(logits, t_logp, t_ids, t_rest):
     """KL(teacher || model) per target (n,), the teacher given by its top k: beyond the paper.
 
-    MARS_SPEC §4's L_AR is CE on the row's tokens; this is the other L_AR target
+    docs/spec.md §4's L_AR is CE on the row's tokens; this is the other L_AR target
     (Settings.ar_target = "teacher", issue 21): the frozen base's next-token distribution,
     kept as its k largest log-probabilities t_logp (n, k) at ids t_ids (n, k) and the mass
     t_rest (n,) of the other V - k tokens. With S the top-k set, p the teacher, q the model,
@@ -257,7 +257,7 @@ def _per_sequence_mean(ce, rows, n_rows: int, row_weight=None):
 
 def inverse_t_weights(n_rows: int, generator=None, device=None, eps: float = 1e-3):
     """(n_rows,) weights 1/t, t ~ U[eps, 1) drawn per row: the released code's "w/o L_AR"
-    objective (MARSTrainerNoSFT, MARS_SPEC §4) multiplies each row's noisy loss by it.
+    objective (MARSTrainerNoSFT, docs/spec.md §4) multiplies each row's noisy loss by it.
     A leftover of diffusion training, where t is the masking rate; MARS masks 100 %, so
     here it only rescales rows at random: mean ln(1/eps) / (1 - eps) ~ 6.9, at most 1/eps.
     """

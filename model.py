@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5 decoder, written by hand, loading Hugging Face safetensors directly.
 
 This is the plain autoregressive model that MARS fine-tunes. MARS adds no
-parameter, head or module (MARS_SPEC §1-§3): everything the method needs from the
+parameter, head or module (docs/spec.md §1-§3): everything the method needs from the
 model is the freedom to pass
 
   * explicit position ids  (the noisy stream re-uses the clean stream's positions, §3),
@@ -33,9 +33,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from kvcache import KVCache
 from util.atomic import atomic_write, write_json
 from util.files import BadFileError, check_fields, open_safetensors, read_json_object
-from util.precision import LOW_PRECISION, dtype_name
+from util.precision import LOW_PRECISION, cpu_bf16_units, dtype_name, onednn_packs_bf16
 
 # config.json model_type -> whether q/k/v carry biases (the only difference we model)
 MODEL_TYPES = {"qwen2": True, "a2d-qwen2": True, "llama": False}
@@ -173,25 +174,25 @@ class Linear(nn.Linear):
     was packed from (same storage, no in-place change since): otherwise, and always in
     training, this is F.linear.
 
-    Row invariance in bf16: exact mode is exact only if a decoding row has the same bits alone
-    (an AR step) or among a step's rows. CPU kernels give a row the same bits at every row count
-    >= 2 (>= 4 query rows in `attend`), not below: on an AMD EPYC a bf16 output keeps the last
-    bit's difference. So without gradients one bf16 row runs as two (tests/test_bf16.py)."""
+    Row invariance (bf16, fp16; see "Row invariance" below): without gradients the rows go
+    through the matmul in tiles of exactly ROW_TILE rows, so every call has one shape."""
 
     packed = None  # (weight key, packed tensor), set by pack_for_decoding
     # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
-    # copy serves decoding steps' few rows only (a bounded set); prefills and teacher-forced
-    # forwards of any length take F.linear, whose cost per row is low there anyway
+    # copy serves small row counts only (a bounded set: ROW_TILE in bf16); prefills and
+    # teacher-forced forwards of fp32 models take F.linear, whose cost per row is low there
     packed_max_rows = 64
 
     def forward(self, x):
-        if torch.is_grad_enabled() or x.dtype not in LOW_PRECISION or x.numel() != x.shape[-1]:
+        if torch.is_grad_enabled() or x.dtype not in LOW_PRECISION:
             return self.product(x)
-        return self.product(padded(x.reshape(1, -1), 2, 0))[:1].reshape(*x.shape[:-1], -1)  # as 2 rows
+        rows = x.reshape(-1, x.shape[-1])  # (M, C_in)
+        return in_tiles(self.product, rows, row_tile(x.device)).reshape(*x.shape[:-1], -1)
 
     def product(self, x):
-        p = self.packed
+        p = self.packed  # (inductor cannot lower oneDNN's packed op: a compiled step takes F.linear)
         if p is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype and x.is_cpu \
+                and not torch.compiler.is_compiling() \
                 and x.numel() <= self.packed_max_rows * x.shape[-1] and p[0] == _weight_key(self.weight):
             return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -224,7 +225,10 @@ class Attention(nn.Module):
             # the new K/V go into the cache slots right after each row's committed
             # tokens; we attend over the cached prefix plus these new slots
             k, v = cache.write(self.layer_idx, k, v)  # (N, nkv, S, hd)
-        y = attend(q, k, v, mask, self.hd ** -0.5)  # (N, nh, T, hd)
+        if cache is not None and cache.fixed_shapes:  # LOW_PRECISION decoding: row invariance
+            y = attend_tiled(q, k, v, mask, self.hd ** -0.5)  # (N, nh, T, hd)
+        else:
+            y = attend(q, k, v, mask, self.hd ** -0.5)
         return self.o_proj(y.transpose(1, 2).reshape(N, T, self.n_head * self.hd))
 
 
@@ -235,20 +239,78 @@ CAUSAL = "causal"  # build_mask's mask for plain causal attention over T == S to
 class TwoStreamMask:
     """The mask of an input [first stream, l tokens | second stream] whose first l queries
     are plain causal over the first l keys and see no key after them: the clean stream of
-    MARS training (MARS_SPEC §3, built by mars.two_stream_window). Attention then runs as two
+    MARS training (docs/spec.md §3, built by mars.two_stream_window). Attention then runs as two
     calls, causal over the first l tokens (no mask tensor, as plain AR), and the second
     stream's queries against all T keys with the explicit `rows`; the (T, T) mask is never
     materialised. Equal to the full mask as a tensor (tests/test_fast_paths.py)."""
     rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
 
 
-MIN_QUERIES = 4  # in LOW_PRECISION attention runs on at least this many query rows (see attend)
+# ------------------------------------------------------------------ row invariance
+# A bf16 (or fp16) output keeps 8 significant bits, so two summation orders of the same row,
+# equal to ~1e-7 in fp32, round apart now and then, and the next layers carry that ulp on.
+# Matmul and attention kernels pick their summation order by the shape of the call (oneDNN:
+# AMX tiles, AVX-512 or AVX2 code and how to split a sum over threads; cuBLAS and the CUDA
+# attention kernels: tiles and split-K), so the same row could come out differently alone
+# (an AR step), among a batch, or among exact mode's drafts. Exact mode is exact only if it
+# does not (exact.py). So in LOW_PRECISION, without gradients, decoding calls each kernel at
+# ONE shape whatever the batch, the decoder or the step:
+#   * every Linear: tiles of exactly `row_tile` rows (the rows of all batch rows together,
+#     the last tile padded): 16 on a CPU with bf16 units, where the packed matmul streams
+#     the weights once for up to 16 rows at about one row's cost; 1 (each row alone) on a
+#     CPU that emulates bf16, where every row costs its own arithmetic anyway; 128 on CUDA;
+#   * every attention over a KV cache: tiles of exactly QUERY_TILE query rows against the
+#     whole cache, whose slot count is a multiple of kvcache.KEY_BLOCK (slots a row may not
+#     see are masked; a fully masked key block adds exact zeros).
+# What this assumes of a kernel is only that it gives every row of one call the same
+# arithmetic (true of a matmul: a row is one sum per output, whatever its neighbours), and
+# that attention treats each (batch row, head) as its own problem. tests/test_bf16.py proves
+# the construction with kernels made to sum differently at every shape.
+ROW_TILE = {"cpu": 16, "cpu without bf16 units": 1, "cuda": 128}
+QUERY_TILE = 32  # the CPU's flash attention splits queries in blocks of 32 below 192 queries
+
+
+_cpu_row_tile = []  # the CPU's row tile, asked once: the answer holds for the process
+
+
+def row_tile(device):
+    """Rows per matmul call in LOW_PRECISION decoding on `device` (one number per machine)."""
+    if device.type == "cuda":
+        return ROW_TILE["cuda"]
+    if not _cpu_row_tile:
+        _cpu_row_tile.append(ROW_TILE["cpu" if cpu_bf16_units()[0] else "cpu without bf16 units"])
+    return _cpu_row_tile[0]
 
 
 def padded(x, n, dim):
-    """x and copies of its first row along `dim`, n rows: Linear's and attend's row padding."""
+    """x and copies of its first row along `dim`, n rows in all (the tiles' padding)."""
     shape = x.shape[:dim] + (n - x.shape[dim],) + x.shape[dim + 1:]
     return torch.cat([x, x.narrow(dim, 0, 1).expand(shape)], dim)
+
+
+def in_tiles(f, x, n):
+    """f over the rows of x (M, C) in calls of exactly n rows, the last tile padded -> (M, C')."""
+    M = x.shape[0]
+    x = padded(x, -(-M // n) * n, 0)
+    return torch.cat([f(t) for t in x.split(n)])[:M]
+
+
+def attend_tiled(q, k, v, mask, scale):
+    """`attend` at one shape per call (LOW_PRECISION decoding over a KV cache, see above): q (N,
+    nh, T, hd) over the whole cache k, v (N, nkv, S, hd), mask (N, 1, T, S). The g query heads
+    that share a kv head become query rows of that head (grouped-query attention without
+    copying K/V), and those g*T rows go to sdpa QUERY_TILE at a time."""
+    N, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    rows = q.reshape(N, nkv, g * T, hd)  # row j*T + t: query t of head kv*g + j
+    mask = mask.expand(N, 1, T, S).repeat(1, 1, g, 1)  # (N, 1, g*T, S): each row its query's mask
+    n = -(-g * T // QUERY_TILE) * QUERY_TILE
+    rows, mask = padded(rows, n, 2), padded(mask, n, 2)
+    y = torch.cat([F.scaled_dot_product_attention(rows[:, :, i:i + QUERY_TILE], k, v, scale=scale,
+                                                  attn_mask=mask[:, :, i:i + QUERY_TILE])
+                   for i in range(0, n, QUERY_TILE)], 2)  # (N, nkv, n, hd)
+    return y[:, :, :g * T].reshape(N, nh, T, hd)
 
 
 def attend(q, k, v, mask, scale):
@@ -266,9 +328,6 @@ def attend(q, k, v, mask, scale):
         # back to its slow math path): share the kv heads by copying them instead
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if q.shape[2] < MIN_QUERIES and q.dtype in LOW_PRECISION and not torch.is_grad_enabled():
-        mask = padded(mask, MIN_QUERIES, 2) if isinstance(mask, torch.Tensor) else mask  # row invariance
-        return attend(padded(q, MIN_QUERIES, 2), k, v, mask, scale)[:, :, :q.shape[2]]
     causal = isinstance(mask, str)  # CAUSAL
     return F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
@@ -325,8 +384,8 @@ def build_mask(T, attn_mask=None, cache=None):
         return attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask[:, None]
     if isinstance(attn_mask, TwoStreamMask):
         raise ValueError("a TwoStreamMask is a training mask: it takes no KV cache")
-    lengths, S = cache.lengths, cache.span  # (N,), int (span: end, padded in bf16, kvcache.py)
-    if attn_mask is None and T == 1 and cache.at is not None and S == cache.end:
+    lengths, S = cache.lengths, cache.span  # (N,), int (span: end; the whole cache in bf16)
+    if attn_mask is None and T == 1 and cache.at is not None and S == cache.end and not cache.fixed_shapes:
         return None  # one new token per row, all rows at the same slot: it sees every key
     j = torch.arange(S, device=lengths.device)
     if attn_mask is None:  # causal from each row's length: new token t sees slots <= lengths[b] + t
@@ -354,6 +413,7 @@ class Qwen2(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
+        self.compiled_hidden = None  # set by compile_decoding: decoding steps run through it
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Final-norm hidden states (N, T, C); the LM head is applied by the caller.
@@ -361,7 +421,7 @@ class Qwen2(nn.Module):
         idx (N, T) token ids; position_ids (N, T), default: slot index (after the
         cached tokens with a cache); attn_mask, see build_mask; cache: kvcache.KVCache
         (written at each row's length, never committed here: the caller decides
-        which new tokens to keep, MARS_SPEC §6).
+        which new tokens to keep, docs/spec.md §6).
         """
         N, T = idx.shape
         if cache is not None:
@@ -383,6 +443,14 @@ class Qwen2(nn.Module):
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Logits (N, T, V) for every position."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
+
+    def step(self, idx, position_ids=None, attn_mask=None, cache=None):
+        """`hidden` for one decoding step over a KV cache: the compiled step when
+        compile_decoding ran (its cache is then static), else `hidden` itself. Decoders call
+        this for every forward of a fixed shape, and `hidden` for the prefill."""
+        if self.compiled_hidden is None:
+            return self.hidden(idx, position_ids, attn_mask, cache)
+        return self.compiled_hidden(self, idx, position_ids, attn_mask, cache.k, cache.v, cache.lengths)
 
     # ------------------------------------------------------------------ I/O
     @classmethod
@@ -461,7 +529,7 @@ def _weight_files(path):
                             "(only safetensors weights are loaded)")
 
 
-def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
+def pack_for_decoding(model: Qwen2, rows: int = ROW_TILE["cpu"]) -> Qwen2:
     """Give every fp32 or bf16 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
     (the ops torch.compile's CPU prepacking uses when the row count varies); in place, returns
     the model; checkpoint.load_checkpoint calls it. `rows`: the row count oneDNN lays it out for.
@@ -471,15 +539,40 @@ def pack_for_decoding(model: Qwen2, rows: int = 8) -> Qwen2:
     Parameters, names, values and the head tie stay; training, gradients and a weight changed
     since packing use F.linear. The price: a second copy of every weight matrix, and oneDNN's
     buffers per row count (~220 MB for SmolLM2; larger forwards than `Linear.packed_max_rows`
-    take F.linear). Results differ from F.linear's by rounding only (tests/test_fast_paths, test_bf16)."""
+    take F.linear). Results differ from F.linear's by rounding only (tests/test_fast_paths, test_bf16).
+    bf16 weights stay unpacked where oneDNN refuses them (a CPU without AVX512BW/VL/DQ or
+    AVX-NE-CONVERT, or capped below them by ONEDNN_MAX_CPU_ISA): they decode through F.linear."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return model
+    dtypes = (torch.float32, torch.bfloat16) if onednn_packs_bf16() else (torch.float32,)
     with torch.no_grad():
         for module in model.modules():
             w = module.weight if isinstance(module, Linear) else None
-            if w is not None and w.dtype in (torch.float32, torch.bfloat16) and w.is_cpu:
+            if w is not None and w.dtype in dtypes and w.is_cpu:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
                 module.packed = (_weight_key(w), packed)
+    return model
+
+
+def static_hidden(model, idx, position_ids, attn_mask, k, v, lengths):
+    """model.hidden over a static cache made of the cache's own tensors (what compile_decoding
+    compiles: tensors in, so a new request's cache is no new input to guard on)."""
+    return model.hidden(idx, position_ids, attn_mask, KVCache.over(k, v, lengths))
+
+
+def compile_decoding(model: Qwen2, mode: str | None = None) -> Qwen2:
+    """Compile the model's decoding step with torch.compile (in place; returns the model).
+
+    Every decoder (generate.py, exact.py) then runs each forward of a fixed shape through the
+    compiled step, over a static KV cache (kvcache.py): one graph per decoder and batch,
+    compiled on first use, no recompile after. mode: torch.compile's; default "reduce-overhead"
+    on CUDA (CUDA graphs: one launch per step) and inductor's default on the CPU. Prefills (any
+    length) stay eager. The arithmetic is the eager step's, fused: in fp32 it may round apart
+    (tests/test_compile.py measures how far); in bf16 the row-invariance tiles are in the graph."""
+    device = next(model.parameters()).device
+    mode = mode or ("reduce-overhead" if device.type == "cuda" else None)
+    row_tile(device)  # asked before tracing: the CPU check is no graph to compile
+    model.compiled_hidden = torch.compile(static_hidden, mode=mode, dynamic=False)
     return model
 
 

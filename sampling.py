@@ -1,5 +1,5 @@
 """Sampling kernels: logits -> the sampling distribution, a draw, the τ confidence, and the
-speculative-sampling rule (MARS_SPEC §5; issue 13). No model, no loop, no cache: the
+speculative-sampling rule (docs/spec.md §5; issue 13). No model, no loop, no cache: the
 decoders (generate.py, exact.py) call these on the logits they read.
 
   Sampling(temperature, top_k, top_p, seed, accept_metric)   the settings (frozen, checked)

@@ -2,7 +2,7 @@
 
 `Settings` is one dataclass whose defaults are the default run (= configs/default.json,
 tests/test_train_settings.py checks): the data and model, the method (B, w of L_AR, the
-Block-Diffusion ablation: MARS_SPEC §3-§4), the optimisation (§7), logging, checkpoints and
+Block-Diffusion ablation: docs/spec.md §3-§4), the optimisation (§7), logging, checkpoints and
 the system. `parse_settings` applies `--config FILE.json` and `--key=value` over the
 defaults, left to right, typed like them. `RESUME_FREE` names the settings a resumed run
 may change (they do not change the trajectory's maths).

@@ -17,7 +17,7 @@ What it leaves to others: rendering a template as transformers does (chat_templa
 training the default data's tiny tokenizer (data/bpe.py, `train_bpe`), writing `mars.json`
 (checkpoint.py).
 
-How it maps to MARS (../shared/MARS_SPEC.md):
+How it maps to MARS (docs/spec.md):
 - §2 `[MASK]` is a new token `<|mask|>` = the first id after the highest id the
   checkpoint knows (151665 for Qwen2.5, whose last added token is `<|file_sep|>`
   151664), unless the checkpoint's `mars.json` names another id (a converted SmolLM2
@@ -65,7 +65,7 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # ends, i.e. also before a digit ("x  1" -> "x", "  ", "1", not "x", " ", " ", "1").
 DIGITS_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
-MASK_TOKEN = "<|mask|>"  # MARS_SPEC §2
+MASK_TOKEN = "<|mask|>"  # docs/spec.md §2
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -1,4 +1,4 @@
-"""Train MARS: AR SFT, then MARS fine-tuning, on a CPU, one GPU or many (MARS_SPEC §2-§4, §7).
+"""Train MARS: AR SFT, then MARS fine-tuning, on a CPU, one GPU or many (docs/spec.md §2-§4, §7).
 
 A run has two stages on the same data and hyper-parameters (§2, §7):
   ar    `ar_steps` of plain AR SFT (mars.ar_loss, the clean row alone)

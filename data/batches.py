@@ -1,4 +1,4 @@
-"""The rows each optimizer step trains on, and their tensors (train.py's data, MARS_SPEC §2).
+"""The rows each optimizer step trains on, and their tensors (train.py's data, docs/spec.md §2).
 
 What it holds: `step_rows`, the row indices of step s of a stage, a pure function of (seed,
 stage, s): epochs of permutations seeded by (seed, stage, epoch), optionally cut into batches

@@ -2,7 +2,7 @@
 
 What it holds: `train_bpe`, which learns merges on pre-tokenised text (Qwen2's regex, NFC)
 the way HF's BPE applies them later, and lays out ids as Qwen2.5 does: the 256 bytes, one
-token per merge, Qwen2.5's 22 added tokens, then `<|mask|>` (MARS_SPEC §2) derived by
+token per merge, Qwen2.5's 22 added tokens, then `<|mask|>` (docs/spec.md §2) derived by
 tokenizer.py. The files its Tokenizer saves load in `transformers` with the same ids.
 
 What it leaves to others: loading, encoding and saving (tokenizer.py), the chat template

@@ -1,4 +1,4 @@
-"""Chat data (JSONL) -> the token arrays train.py reads (MARS_SPEC §2).
+"""Chat data (JSONL) -> the token arrays train.py reads (docs/spec.md §2).
 
     python data/prepare.py --input dolci.jsonl --tokenizer DIR --out data/dolci/train.npz \
         [--max-len 512] [--max-prompt-len N]

@@ -1,6 +1,6 @@
 """The embedded default dataset: synthetic instructions in chat form, checkable answers.
 
-The paper fine-tunes Qwen2.5-Instruct on real chat data (MARS_SPEC §2, §7); that
+The paper fine-tunes Qwen2.5-Instruct on real chat data (docs/spec.md §2, §7); that
 needs a GPU and a download. The default instead trains a tiny Qwen2 from scratch on
 a generated dataset, on a CPU, so that every claim of the method can be measured.
 What matters for MARS is the *mix*: each reply is mostly very predictable text
@@ -44,7 +44,7 @@ TRAIN_SHARES = {"arith": 2, "list": 1, "words": 2, "sort": 1}
 # Short system turns instead of Qwen2.5's default one (18 tokens on every row): on a
 # CPU every token of a row costs training time. Four of them, 4 to 7 tokens long with
 # the default tokenizer, drawn at random per row: they set the row's *phase*, the
-# offset of its reply against the blocks of B (anchored at index 0, MARS_SPEC §2).
+# offset of its reply against the blocks of B (anchored at index 0, docs/spec.md §2).
 # Templated replies put every answer token at a position fixed by the task's shape,
 # so with one system turn each answer token would be trained at a single lookahead
 # (§3) and asked at another at inference, where a step starts anywhere (§5); the

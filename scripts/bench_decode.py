@@ -2,7 +2,7 @@
 
 On one checkpoint, in one run, for each batch size and each --dtype (comma-separated: float32
 and bfloat16 side by side by default, each with its weights packed for oneDNN): our AR decoder
-(generate.ar_decode), the τ-gated loop with the window cache (generate.mars_decode, MARS_SPEC
+(generate.ar_decode), the τ-gated loop with the window cache (generate.mars_decode, docs/spec.md
 §5-§6) and exact mode for each K (exact.exact_steps), all greedy. The decoders run interleaved
 (each dtype's AR, τ, exact K=1, ..., then again), after one untimed warm-up round, on prompt r
 of the chat questions in round r, so a busy machine slows them alike; each number is the
@@ -28,6 +28,13 @@ applies; --unpacked drops the packed copies, so the decoders run on F.linear: th
 
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --batch-sizes 1,4,16
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --dtype float32 --profile --layouts
+  python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --dtype auto --compile --drafts 2
+
+--compile runs each decoder twice, eager and with its step compiled (model.compile_decoding;
+the row "NAME compiled"): x eager is the compiled ms/fwd over the eager one, =eager the share
+of rows whose reply equals the eager reply (fusion may round differently), and a compiled
+row's x AR and "== AR" are against the compiled AR. After each batch size: how many graphs
+torch.compile built after the warm-up round (0: no recompile).
 """
 
 import argparse
@@ -39,21 +46,46 @@ import torch
 
 from exact import exact_steps
 from generate import ar_decode, mars_decode
-from model import Linear, pack_for_decoding
+from model import Linear, compile_decoding, pack_for_decoding
 from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
 from util.precision import dtype_name
 
 
 def decoders(args, model, mask_id, eos_ids):
-    """name -> prompts -> a greedy step generator, AR first (the reference of every ratio)."""
+    """name -> prompts -> a greedy step generator, AR first (the reference of every ratio);
+    with --compile each again as "NAME compiled", its steps through model.compile_decoding."""
     n, B = args.new_tokens, args.block_size
     out = {"our AR": lambda p: ar_decode(model, p, n, eos_ids)}
     out[f"tau={args.tau} B={B} window"] = lambda p: mars_decode(
         model, p, block_size=B, tau=args.tau, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+    if args.block_cache:
+        out[f"tau={args.tau} B={B} block"] = lambda p: mars_decode(
+            model, p, block_size=B, tau=args.tau, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids,
+            cache="block", block_cache_size=args.block_cache)
     for K in args.drafts:
         out[f"exact K={K} B={B}"] = lambda p, K=K: exact_steps(
             model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
+    if args.compile:
+        step = compile_decoding(model).compiled_hidden
+        model.compiled_hidden = None
+        out.update({f"{name} compiled": compiled_run(model, step, dec) for name, dec in list(out.items())})
     return out
+
+
+def compiled_run(model, step, dec):
+    """dec with the model's decoding step compiled while it runs (eager again after)."""
+    def run(prompts):
+        model.compiled_hidden = step
+        try:
+            yield from dec(prompts)
+        finally:
+            model.compiled_hidden = None
+    return run
+
+
+def reference(name):
+    """The decoder a row is measured against: its own kind's AR (compiled or eager)."""
+    return "our AR compiled" if name.endswith(" compiled") else "our AR"
 
 
 def run_once(steps, n_rows):
@@ -72,14 +104,22 @@ def run_once(steps, n_rows):
     return dict(prefill=times[0], steps=times[1:], forwards=forwards, ids=ids, total=sum(times))
 
 
-def summarise(run, ar):
-    """One run's numbers, and its ratios to the same round's AR run."""
+def summarise(run, ar, eager=None):
+    """One run's numbers, and its ratios to the same round's AR run (and, for a compiled
+    run, to its eager twin: the step's time, and how many rows say the same)."""
     fwd = statistics.mean(run["steps"]) if run["steps"] else float("nan")
     ar_fwd = statistics.mean(ar["steps"])
     n, n_ar = sum(map(len, run["ids"])), sum(map(len, ar["ids"]))
     tpf = n / run["forwards"] / len(run["ids"])
-    return dict(fwd=fwd, x_ar=fwd / ar_fwd, tpf=tpf, limit=tpf / (n_ar / ar["forwards"] / len(ar["ids"])),
-                speedup=(ar["total"] / n_ar) / (run["total"] / n), same=run["ids"] == ar["ids"])
+    out = dict(fwd=fwd, x_ar=fwd / ar_fwd, tpf=tpf, limit=tpf / (n_ar / ar["forwards"] / len(ar["ids"])),
+               speedup=(ar["total"] / n_ar) / (run["total"] / n), same=run["ids"] == ar["ids"])
+    if eager is not None:
+        pairs = list(zip(run["ids"], eager["ids"]))
+        out.update(x_eager=fwd / statistics.mean(eager["steps"]),
+                   eq_eager=sum(a == b for a, b in pairs) / len(pairs),
+                   first_diff=[next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                               for a, b in pairs if a != b])
+    return out
 
 
 def bench_batch(decs, tok, model, mask_id, batch, rounds):
@@ -88,31 +128,49 @@ def bench_batch(decs, tok, model, mask_id, batch, rounds):
     out = {(dt, name): [] for dt in decs for name in decs[dt]}
     first = next(iter(decs))
     for r in range(rounds + 1):
+        if r == 1:
+            warm = graphs()  # every shape of this batch size was compiled in the warm-up round
         prompts = make_prompts(tok, model.config.vocab_size, mask_id, batch + r)[r:]  # rotate the prompts
         runs = {(dt, name): run_once(dec(prompts), batch) for dt in decs for name, dec in decs[dt].items()}
         if r:
             for (dt, name), run in runs.items():
-                s = summarise(run, runs[dt, "our AR"])
+                twin = runs[dt, name.removesuffix(" compiled")] if name.endswith(" compiled") else None
+                s = summarise(run, runs[dt, reference(name)], twin)
                 s["x_first"] = statistics.mean(runs[first, "our AR"]["steps"]) / statistics.mean(run["steps"])
                 out[dt, name].append(s)
-    return out
+    return out, graphs() - warm
 
 
 def report(results, batch, rounds):
+    """Print one batch size's table -> the number of exact decoders that differ from their AR."""
     print(f"batch {batch} (median of {rounds} interleaved rounds after a warm-up)")
-    print(f"  {'dtype':<9} {'decoder':<24} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
-          f"{'speedup':>8} {'x fp32':>7}")
+    print(f"  {'dtype':<9} {'decoder':<33} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
+          f"{'speedup':>8} {'x fp32':>7} {'x eager':>8} {'=eager':>7}")
     differ = 0
     for (dt, name), rs in results.items():
         keys = ("fwd", "x_ar", "tpf", "limit", "speedup", "x_first")
         med = {k: statistics.median(r[k] for r in rs) for k in keys}
         exact = name.startswith("exact")
-        check = ("   == AR" if all(r["same"] for r in rs) else "   DIFFERS FROM AR") if exact else ""
+        same = all(r["same"] for r in rs)
+        check = (f"   == {reference(name)}" if same else "   DIFFERS FROM AR") if exact else ""
         differ += exact and not all(r["same"] for r in rs)
         x_first = f"{med['x_first']:6.2f}x" if name == "our AR" else ""
-        print(f"  {dt:<9} {name:<24} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
-              f"{med['limit']:6.2f} {med['speedup']:7.2f}x {x_first:>7}{check}")
+        eager = ""
+        if "x_eager" in rs[0]:
+            firsts = [i for r in rs for i in r["first_diff"]]
+            eager = (f" {statistics.median(r['x_eager'] for r in rs):7.2f}x "
+                     f"{sum(r['eq_eager'] for r in rs) / len(rs):6.0%}"
+                     + (f" (first difference at token {min(firsts)}-{max(firsts)})" if firsts else ""))
+        print(f"  {dt:<9} {name:<33} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
+              f"{med['limit']:6.2f} {med['speedup']:7.2f}x {x_first:>7}{eager}{check}")
     return differ
+
+
+def graphs():
+    """Graphs torch.compile has built so far in this process (each compile of a new shape)."""
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def profile(decs, tok, model, mask_id):
@@ -190,6 +248,10 @@ def main():
     p.add_argument("--profile", action="store_true", help="also profile each decoder at batch 1")
     p.add_argument("--layouts", action="store_true", help="also time one forward's matmuls at 1-17 "
                    "rows through F.linear and from the packed weights (model.pack_for_decoding)")
+    p.add_argument("--compile", action="store_true", help="also run every decoder with its step compiled "
+                   "(model.compile_decoding), rows named 'NAME compiled'")
+    p.add_argument("--block-cache", type=int, default=0, help="also the τ loop with the block cache of "
+                   "this B_cache (0: not run)")
     p.add_argument("--unpacked", action="store_true", help="drop the packed weights (F.linear on the "
                    "weights as stored): pack_for_decoding's before / after, in two runs")
     add_model_args(p, several_dtypes=True)
@@ -204,8 +266,10 @@ def main():
     decs = {dt: decoders(args, c.model, c.mask_id, c.eos_ids) for dt, c in models.items()}
     differ = 0
     for batch in args.batch_sizes:
-        differ += report(bench_batch(decs, ck.tok, ck.model, ck.mask_id, batch, args.rounds), batch,
-                         args.rounds)
+        results, built = bench_batch(decs, ck.tok, ck.model, ck.mask_id, batch, args.rounds)
+        differ += report(results, batch, args.rounds)
+        if args.compile:
+            print(f"recompiles after warm-up: {built}")
     if args.profile:
         profile(next(iter(decs.values())), ck.tok, ck.model, ck.mask_id)
     if args.layouts:

@@ -1,4 +1,4 @@
-"""Wall-clock benchmark of MARS decoding against AR decoding (MARS_SPEC §6-7). Not a test.
+"""Wall-clock benchmark of MARS decoding against AR decoding (docs/spec.md §6-7). Not a test.
 
 On the same weights and machine, in one run, medians of --repeats timed runs:
   1. batch 1: our AR decoder (KV cache) vs transformers' `generate` (greedy, its cache) and

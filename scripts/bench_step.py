@@ -1,5 +1,5 @@
 """Where a step's time goes: a MARS training step against an AR one, and one AR decoding
-step against its forward and its kernels (MARS_SPEC §3, §6). Not a test.
+step against its forward and its kernels (docs/spec.md §3, §6). Not a test.
 
 Both parts interleave what they compare (one AR step, one MARS step, one AR step, ...), so
 a busy machine slows every mode alike and the ratios stay honest; each number is a

@@ -1,4 +1,4 @@
-"""Training step cost of MARS against plain AR SFT (MARS_SPEC §3, §7). Not a test.
+"""Training step cost of MARS against plain AR SFT (docs/spec.md §3, §7). Not a test.
 
 A MARS step forwards [clean | noisy], 2l tokens per row of l, so its cost per step is
 about twice AR SFT's: the projections and MLP double, attention over 2l is up to 4x but

@@ -18,7 +18,7 @@ The output directory is written atomically (util.atomic.replace_dir): on any err
 architecture, a quantisation the `gguf` package cannot dequantize, a missing field, ...) the
 message names the file and the field, and no partial OUT_DIR is left behind.
 
-`<|mask|>` (MARS_SPEC §2) without spare rows. Qwen2.5's `<|mask|>` is a new token whose id
+`<|mask|>` (docs/spec.md §2) without spare rows. Qwen2.5's `<|mask|>` is a new token whose id
 falls into the checkpoint's padded, never-trained embedding rows, so MARS adds no parameter.
 SmolLM2 has no padded rows (49,152 tokens, 49,152 rows). The two choices:
   * add one row (49,153): a new parameter vector, a resized embedding and tied LM head, a
@@ -215,7 +215,7 @@ def read_vocab(g: GGUFFile, n_rows: int):
     if len(tokens) > n_rows:
         raise g.error("tokenizer.ggml.tokens", f"{len(tokens)} tokens for {n_rows} embedding rows")
     if len(tokens) < n_rows:
-        return tokens, added, len(tokens)  # a spare, never-trained row (Qwen2.5, MARS_SPEC §2)
+        return tokens, added, len(tokens)  # a spare, never-trained row (Qwen2.5, docs/spec.md §2)
     reserved = [a["id"] for a in added if a["special"] and a["content"] not in CHAT_TOKENS]
     if not reserved:
         raise g.error("tokenizer.ggml.token_type", "no spare embedding row and no reserved special "

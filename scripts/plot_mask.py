@@ -1,4 +1,4 @@
-"""Draw the attention masks of MARS (MARS_SPEC §3, §4) as a picture: results/mask.png.
+"""Draw the attention masks of MARS (docs/spec.md §3, §4) as a picture: results/mask.png.
 
 Panels, each drawn from the very tensor the code uses (True = query row may attend key column):
   1. mars.mars_attention_mask(l, B): the training mask over [clean | noisy];

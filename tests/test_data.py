@@ -93,7 +93,7 @@ def test_every_answer_is_right_and_checkable(splits):
 
 
 def test_reply_phase_takes_every_value_within_each_task_shape(tmp_path):
-    """Blocks are anchored at index 0 (MARS_SPEC §2), so a reply token's lookahead in
+    """Blocks are anchored at index 0 (docs/spec.md §2), so a reply token's lookahead in
     training is fixed by its position mod B. Rows of one task shape (family and item
     count: the reply text then sits at fixed offsets from its start) must still start
     their reply at every residue mod 4, or a token is only ever trained at one lookahead."""

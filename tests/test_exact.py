@@ -1,5 +1,5 @@
 """Proofs for exact.py: exact mode is greedy AR at several tokens per forward
-(issue "Exact mode"; MARS_SPEC §3, §5, §6).
+(issue "Exact mode"; docs/spec.md §3, §5, §6).
 
 Claims, each against an independent reference:
   * the step mask is the rule written out with nested loops (mars.exact_attention_mask);
@@ -199,6 +199,11 @@ class Oracle(torch.nn.Module):
         assert all(mask_id not in s for s in seqs)  # else a real token would be taken for a mask
         self.model, self.config, self.seqs = model, model.config, seqs
         self.mask_id, self.shift = mask_id, shift
+
+    compiled_hidden = None  # never compiled (model.compile_decoding): its steps are `hidden`
+
+    def step(self, idx, position_ids=None, attn_mask=None, cache=None):
+        return self.hidden(idx, position_ids, attn_mask, cache)
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
         B, T = idx.shape

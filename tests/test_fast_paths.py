@@ -1,6 +1,6 @@
 """Proofs that the fast paths of the forward compute what the plain ones compute.
 
-  * MARS training (MARS_SPEC §3): the forward as it is run (mars.two_stream_window: the
+  * MARS training (docs/spec.md §3): the forward as it is run (mars.two_stream_window: the
     clean stream plain causal over l tokens; the noisy stream cut to the blocks the loss
     reads, its queries masked over [clean | kept noisy]) gives the loss and every
     parameter gradient of the single forward over all 2l tokens with the full (2l, 2l)

@@ -1,4 +1,4 @@
-"""Proofs for generate.py: MARS τ-gated decoding (MARS_SPEC §5) and its KV caches (§6).
+"""Proofs for generate.py: MARS τ-gated decoding (docs/spec.md §5) and its KV caches (§6).
 
 Claims, each against an independent reference:
   * τ = 1 is greedy AR: equal to HF `generate(do_sample=False)` token for token, batch 1

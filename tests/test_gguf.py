@@ -275,7 +275,7 @@ def llama_cpp_weights(hf, arch):
 def test_tiny_llama_and_qwen2_gguf_convert_to_the_hf_model(tmp_path, arch):
     """Both architectures, written as llama.cpp writes them, convert back to the HF model they
     came from: Llama's Q/K permutation undone, Qwen2's q/k/v biases kept; a Qwen2 vocabulary
-    with spare embedding rows gets `<|mask|>` in the first spare row (MARS_SPEC §2)."""
+    with spare embedding rows gets `<|mask|>` in the first spare row (docs/spec.md §2)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from model import Qwen2

@@ -3,7 +3,7 @@ bad ones by name. The reference is HF (`LlamaForCausalLM`, `Qwen2ForCausalLM`,
 `AutoModelForCausalLM`) on tiny random checkpoints written by transformers itself:
 
   * a Llama checkpoint (no q/k/v biases) gives HF's logits and saves back as Llama;
-  * the authors' MARS release (model_type "a2d-qwen2", MARS_SPEC §2's unchanged weights)
+  * the authors' MARS release (model_type "a2d-qwen2", docs/spec.md §2's unchanged weights)
     loads as Qwen2;
   * what we save loads in transformers with equal logits; transformers-4 and minimal
     config.json files mean what transformers reads; loading builds no random copy;

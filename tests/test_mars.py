@@ -1,4 +1,4 @@
-"""Proofs for mars.py (MARS_SPEC §2-§4). The references are independent of the code
+"""Proofs for mars.py (docs/spec.md §2-§4). The references are independent of the code
 under test: the spec's rules written out as Python loops, and Hugging Face
 transformers' Qwen2 run on plain causal inputs (one separate pass per block / target)."""
 

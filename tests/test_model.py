@@ -1,7 +1,7 @@
 """Proofs that model.py is Qwen2 / Qwen2.5: our hand-written decoder against HF
 `Qwen2ForCausalLM` (eager attention, fp32), the independent reference.
 
-MARS adds no parameter to the model (MARS_SPEC §1-§3); what it needs from model.py is
+MARS adds no parameter to the model (docs/spec.md §1-§3); what it needs from model.py is
 an exact AR model that also takes explicit position ids and an explicit boolean
 attention mask (the two-stream mask of §3) and runs against a KV cache (§6). Each
 test below proves one of those claims on tiny random checkpoints written by
@@ -14,7 +14,7 @@ transformers itself:
   * explicit position_ids and masks mean what HF's position_ids and 4D / 2D masks mean;
   * bf16 is as accurate as HF's own bf16;
   * greedy decoding equals HF `generate`, with and without our KV cache, and with
-    ragged per-row cache lengths (MARS_SPEC §6).
+    ragged per-row cache lengths (docs/spec.md §6).
 
 Loading other checkpoints (Llama, the authors' release), saving back, config variants and
 bad files are proved in test_loading.py, with the helpers defined here.
@@ -106,7 +106,7 @@ def test_logits_equal_hf(tmp_path, name):
 
 def test_explicit_positions_and_mask_equal_hf(tmp_path):
     """A per-row boolean (B, T, T) mask and arbitrary position ids mean exactly what
-    HF's additive 4D float mask and position_ids mean (MARS_SPEC §3 needs both)."""
+    HF's additive 4D float mask and position_ids mean (docs/spec.md §3 needs both)."""
     hf = make_ref(tmp_path)
     model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
     B, T = 2, 24
@@ -158,7 +158,7 @@ def test_right_padded_batch_equals_hf_padding_mask(tmp_path):
 def test_mask_against_ragged_cache_equals_hf(tmp_path):
     """With a cache, a per-row (B, T, T) mask relates the T new tokens to each other,
     placed at each row's own offset, and every committed cached token is visible
-    (the sliding-window step of MARS_SPEC §6). Reference: HF on prefix + new tokens,
+    (the sliding-window step of docs/spec.md §6). Reference: HF on prefix + new tokens,
     no cache, with the equivalent 4D float mask."""
     hf = make_ref(tmp_path, seed=3)
     model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
@@ -229,7 +229,7 @@ def greedy_no_cache(model, prompt, n):
 
 @torch.no_grad()
 def greedy_cached(model, prompt, n):
-    """Prefill, commit the prompt, then one token per forward (MARS_SPEC §6, AR mode)."""
+    """Prefill, commit the prompt, then one token per forward (docs/spec.md §6, AR mode)."""
     T = prompt.shape[1]
     cache = KVCache.for_model(model, 1, T + n - 1)  # the last token is never forwarded
     logits = model(prompt, cache=cache)
@@ -275,7 +275,7 @@ def test_greedy_equals_hf_generate(tmp_path):
 def test_kv_cache_ragged_rows_equal_rows_alone(tmp_path):
     """Two right-padded prompts of different length share one cache: prefill with a
     causal & key-valid mask, commit each row's own length, then decode one token per
-    row per forward. Row b must equal row b run alone, and HF (MARS_SPEC §6)."""
+    row per forward. Row b must equal row b run alone, and HF (docs/spec.md §6)."""
     hf = make_ref(tmp_path, seed=5)
     model = Qwen2.from_pretrained(str(tmp_path), dtype=torch.float64)
     lens, n = torch.tensor([11, 4]), 12

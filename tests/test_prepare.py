@@ -1,4 +1,4 @@
-"""Proofs for data/prepare.py: chat JSONL -> ids / loss mask / offsets (MARS_SPEC §2).
+"""Proofs for data/prepare.py: chat JSONL -> ids / loss mask / offsets (docs/spec.md §2).
 
 Claims, each against an independent reference:
   * every good row is stored exactly: decoding its ids gives the ChatML text written out

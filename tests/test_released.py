@@ -1,4 +1,4 @@
-"""Proof that the authors' released MARS checkpoints load and decode here (MARS_SPEC §2, §5).
+"""Proof that the authors' released MARS checkpoints load and decode here (docs/spec.md §2, §5).
 
 `Xalphinions/MARS-Qwen2.5-0.5B-blk4` and its siblings are HF Qwen2 weights saved with
 config.json `model_type` "a2d-qwen2" (the dllm converter's name and keys, the tied head

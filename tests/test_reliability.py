@@ -1,5 +1,5 @@
 """Proofs for scripts/real_model/reliability.py: the reliability of the mask candidates per mask
-position j (MARS_SPEC §5; issue 33).
+position j (docs/spec.md §5; issue 33).
 
 Claims, each against an independent reference:
   * mask_records scores the candidates the decoder's own step saw: for every step t of every

@@ -146,7 +146,7 @@ def rerendered(d, tmp_path, monkeypatch):
     """d's results.json (d relative to the repo root) -> that dict, after asserting that the page
     rendered from it alone into tmp_path equals d's committed RESULTS.md and summary.json byte for
     byte."""
-    from scripts.real_model.report import write_page
+    from scripts.real_model.page import write_page
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
     res = json.load(open(os.path.join(d, "results.json")))

@@ -1,4 +1,4 @@
-"""Proofs for sampling.py (issue 13; MARS_SPEC §5): each claim against an independent
+"""Proofs for sampling.py (issue 13; docs/spec.md §5): each claim against an independent
 reference, each able to fail.
 
   * processed_probs is Hugging Face's TemperatureLogitsWarper -> TopKLogitsWarper ->

@@ -1,4 +1,4 @@
-"""Proofs that the decoders sample what they claim (issue 13; MARS_SPEC §5, sampling.py).
+"""Proofs that the decoders sample what they claim (issue 13; docs/spec.md §5, sampling.py).
 
 On a tiny random HF Qwen2 with an 8-token vocabulary (tests/sampling_reference.py), the
 exact AR distribution of all 8^3 three-token continuations of a prompt is enumerated, at

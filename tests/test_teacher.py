@@ -1,5 +1,5 @@
 """Proofs for L_AR = KL(teacher || model) (mars.teacher_kl, train.make_teacher; issue 21,
-beyond the paper's CE of MARS_SPEC §4), each against an independent reference:
+beyond the paper's CE of docs/spec.md §4), each against an independent reference:
   * with the whole vocabulary kept (k = V), the L_AR of mars_loss and ar_loss on a batch,
     teacher arrays carried through a prepared file and train.make_teacher, equals the
     full-vocabulary KL(teacher || student) of two HF models, brute force per target (and

@@ -56,8 +56,6 @@ def test_every_link_into_the_repository_resolves(page):
     links = re.findall(r"\]\(([^)#\s]+)\)", page)
     assert len(links) > 20
     for target in links:
-        if target.startswith("../../shared/"):  # MARS_SPEC.md sits beside the repository, not in it
-            continue
         assert os.path.exists(os.path.join(ROOT, "docs", target)), target
 
 

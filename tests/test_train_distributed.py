@@ -1,4 +1,4 @@
-"""Proof for train.py's multi-process training: 2 ranks equal 1 process (MARS_SPEC §2-§4).
+"""Proof for train.py's multi-process training: 2 ranks equal 1 process (docs/spec.md §2-§4).
 
 The tiny run of tests/train_run.py (2 layers, 20 steps: 10 AR SFT + 10 MARS) is made in-process
 in float64 as the reference; 2 processes (DDP, and FSDP2 stopped and resumed midway) with the

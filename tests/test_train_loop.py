@@ -1,7 +1,7 @@
 """Proofs for train.py's single-process job: it is restartable, atomic and produces loadable models.
 
 One tiny reference run (tests/train_run.py: 2 layers, 20 steps: 10 AR SFT + 10 MARS,
-MARS_SPEC §2-§4) is made in-process; the other runs must reproduce it:
+docs/spec.md §2-§4) is made in-process; the other runs must reproduce it:
   (1) a run SIGKILLed after a checkpoint and resumed logs exactly the same losses, and
       ends with bit-identical weights (CPU); a checkpoint of other settings is refused;
   (2) whatever instant a run dies at, out_dir/ckpt is absent or complete, and start-up
@@ -214,7 +214,7 @@ def test_outputs_load_in_transformers_with_equal_logits(ref, data_dir):
 def test_init_from_an_hf_checkpoint_trains_that_model(data_dir, tmp_path):
     """init_from = an HF-layout dir (written by transformers): step 1's logged loss is the AR
     SFT loss that transformers' own model gives on step 1's rows, computed row by row here:
-    each row EOS-padded to a multiple of B with the pads carrying loss (MARS_SPEC §2), CE of
+    each row EOS-padded to a multiple of B with the pads carrying loss (docs/spec.md §2), CE of
     every loss target from the output one position earlier, mean per row, mean over rows."""
     tok = Tokenizer.from_dir(data_dir / "tokenizer")
     hf = make_hf_model(tmp_path / "hf", seed=3, vocab_size=320, initializer_range=0.02)

@@ -1,10 +1,13 @@
-"""Proofs for what a train.py run is told to do: its settings, the named configs, its batch order.
+"""Proofs for what a train.py run is told to do: its settings, the named configs, its batch order,
+torch.compile.
 
   (1) settings: --config/--key=value typed overrides and clear errors;
   (2) the named configs parse, and the 0.5B one fits 24 GB by estimate_memory;
   (3) the batch order (data.batches.step_rows) reads every row once per epoch and groups
-      rows of similar length.
-None of these trains; the training runs' proofs are tests/test_train_loop.py and
+      rows of similar length;
+  (4) compile=true hands the loss module to torch.compile, and the optimizer step and the
+      validation pass call what it returned (torch.compile replaced by a recorder).
+None of these trains a model to the end; the training runs' proofs are tests/test_train_loop.py and
 tests/test_train_distributed.py.
 """
 
@@ -91,3 +94,46 @@ def test_step_rows_every_row_once_per_epoch_and_buckets_by_length():
     pad = lambda rows: sum(int(lengths[r].max()) * len(r) for r in rows)
     assert pad([batches.step_rows(n, batch, 0, "mars", s, lengths, W) for s in range(24)]) < \
         pad([batches.step_rows(n, batch, 0, "mars", s) for s in range(24)])
+
+
+# ----------------------------------------------------------------------------- (4) compile
+def test_compile_wraps_the_loss_module_and_the_steps_run_through_the_compiled_one(monkeypatch):
+    """compile=true: build_model passes the loss module (StageLoss, what DDP would wrap) to
+    torch.compile once, and both the optimizer step and the validation pass run through what
+    it returned; compile=false: torch.compile is never called and the steps call the module.
+    torch.compile is replaced by a recorder (compiling for real takes minutes on the CPU)."""
+    import numpy as np
+
+    import train
+
+    calls = []
+
+    class Recorder(torch.nn.Module):  # what the fake torch.compile returns: counts its calls
+        def __init__(self, net):
+            super().__init__()
+            self.net, self.n = net, 0
+
+        def forward(self, *args, **kwargs):
+            self.n += 1
+            return self.net(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", lambda net, **kw: calls.append(net) or Recorder(net))
+    rows, l = 4, 8  # 4 rows of 8 tokens, the last 4 of each carrying loss
+    ids = np.arange(rows * l, dtype=np.int64) % 20
+    data = {"ids": ids, "loss": np.tile([0] * 4 + [1] * 4, rows).astype(np.uint8),
+            "offsets": np.arange(0, rows * l + 1, l, dtype=np.int64)}
+    special = {"mask": 20, "eos": 21, "pad": 22}
+    for on in (False, True):
+        calls.clear()
+        S = replace(Settings(), compile=on, n_layer=1, n_embd=16, n_head=2, n_kv_head=1, intermediate=32,
+                    batch_size=2, micro_batch_size=2, eval_rows=2, bucket_window=1, max_len=16,
+                    mask_id=20, eos_id=21, pad_id=22)
+        r = train.Run(S, 0, 1, torch.device("cpu"), {"train": data, "val": data}, None, special,
+                      {"ar": 1, "mars": 1})
+        train.build_model(r, None)
+        assert calls == ([r.net] if on else [])
+        assert (type(r.runner) is Recorder and r.runner.net is r.net) if on else r.runner is r.net
+        r.net.stage = "mars"
+        train.train_step(r, train.make_optimizer(r.net, S, r.device), "mars", 0)
+        train.val_loss(r.runner, r.net, data, S, special, 0, 1, r.device, r.amp)
+        assert (r.runner.n == 2) if on else not calls  # one micro-batch, one validation batch

@@ -3,7 +3,7 @@
 Not collected by pytest (no test_ prefix). Its data directory is conftest's data_dir fixture;
 this module holds what both files need to make and read a run:
   args(data_dir, out_dir, *extra)   train.py's arguments: 2 layers, STEPS AR SFT + STEPS MARS
-                                    steps (MARS_SPEC §2-§4), batch 8 in micro-batches of 4,
+                                    steps (docs/spec.md §2-§4), batch 8 in micro-batches of 4,
                                     a checkpoint every 5 steps; extra ones override
   records(out)                      the logged train and val records, without the wall-clock field
   weights(d)                        a saved model's tensors, by name

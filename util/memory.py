@@ -1,4 +1,4 @@
-"""Peak training memory of one process, estimated from the config (MARS_SPEC §7).
+"""Peak training memory of one process, estimated from the config (docs/spec.md §7).
 
 train.py prints this before training on CUDA (and checks it against `gpu_mem_gb`), so a
 user learns before the first step whether Qwen2.5-0.5B fits a 24 GB card: MARS doubles

@@ -12,11 +12,13 @@ end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_mod
     reliability.py why the τ rule accepts what it does: each mask position's candidates and
                    confidences against greedy AR, binned; the lossless τ of a sweep
     speed.py       the lossless decoders: tokens per forward and the wall clock (paired ratios)
-    report.py      RESULTS.md, its figure and summary.json from results.json alone (round 2's page)
+    page.py        which page a results.json gets (round 2's or round 3's), written with its
+                   figures and summary.json: the results stage and --report call it
     round3.py      round 3's page: the comparison arms, reliability, paired speed, targets
+    report.py      round 2's page from results.json alone, and the cells round3.py shares
 
 Imports run down: __main__ -> stages -> (replies, committed, training, evaluation, speed,
-report -> round3) -> reliability, run -> the core (root modules, data/, util/,
-scripts/common.py); never another
-script's package. Nothing is imported here: each user imports the module it needs.
+page -> round3 -> report) -> reliability, run -> the core (root modules, data/, util/,
+scripts/common.py); never another script's package. Nothing is imported here: each user
+imports the module it needs.
 """

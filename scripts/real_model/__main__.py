@@ -48,7 +48,7 @@ import os
 import torch
 
 from scripts.real_model.committed import export_rows
-from scripts.real_model.report import rewrite
+from scripts.real_model.page import rewrite
 from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir
 from scripts.real_model.stages import (
     stage_arms,

@@ -1,5 +1,5 @@
 """Why the τ rule accepts so little: how reliable the mask candidates' confidences are, per mask
-position j (MARS_SPEC §5; issue 33).
+position j (docs/spec.md §5; issue 33).
 
 In a MARS step (§5.1-2) the model forwards [prefix | B masks]; the output at the last prefix
 token proposes c_0 (the AR prediction) and the output at mask j-1 proposes c_j, j = 1..B-1.

@@ -1,4 +1,5 @@
-"""The page: RESULTS.md, its figure (tau_sweep.png) and summary.json, from results.json alone.
+"""Round 2's page (RESULTS.md, its figure tau_sweep.png, summary.json) from results.json alone,
+and the cells and sections round 3's page (round3.py) shares.
 
 results.json holds everything the page shows: the evaluations (without their replies), the
 settings, stages.json, the data's stats, the command, the machine and the replies side by
@@ -6,15 +7,17 @@ side; so `python -m scripts.real_model --config final --report` rewrites the com
 with no model and no run dir. report() is the page's outline, one section function per
 heading, in page order; a new measure adds its section function and one line there.
 
-This module measures nothing (evaluation.py, speed.py) and runs no model; the pilots' table
-reads the committed results_dir/pilots/NAME/summary.json files.
+This module measures nothing (evaluation.py, speed.py), runs no model and writes no page:
+which page a results.json gets, and writing it, is page.py's job. It imports nothing of
+round3.py (round3.py imports from here). The pilots' table reads the committed
+results_dir/pilots/NAME/summary.json files.
 """
 
 import json
 import os
 
 from scripts.real_model.run import STAGES
-from util.atomic import atomic_write, write_json, write_text
+from util.atomic import atomic_write
 
 
 def summary(res, ar_sft="ar_sft"):
@@ -297,28 +300,3 @@ def report(res):
         stages_section(res), quality_section(res, s), greedy_section(res), taus_section(res),
         decoders_section(res), timing_section(res), curve_section(res), pilots_section(res),
         targets_section(res, s), side_by_side_section(res)])
-
-
-def write_page(res, d):
-    """summary.json, the figures and RESULTS.md in d, from results.json's content `res`: round 2's
-    page, or round 3's (round3.py) for a results.json with its reliability evaluation."""
-    from scripts.real_model import round3  # it imports this module's cells and sections
-
-    if round3.is_round3(res):
-        s = round3.summary(res, summary(res, ar_sft="ar_ce"))
-        text = round3.page(res, s, d)
-    else:
-        s, text = summary(res), report(res)
-        plot_taus(res["b_taus"], os.path.join(d, "tau_sweep.png"))
-    write_json(os.path.join(d, "summary.json"), s)
-    write_text(os.path.join(d, "RESULTS.md"), text)
-
-
-def rewrite(d):
-    """--report: the page of d again from d/results.json alone (no model, no run dir)."""
-    res = json.load(open(os.path.join(d, "results.json")))
-    missing = [k for k in ("run", "side_by_side") if k not in res]
-    if missing:
-        raise SystemExit(f"{d}/results.json has no {missing}: it predates --report; run the results stage")
-    write_page(res, d)
-    print(f"[report] {d}: RESULTS.md, tau_sweep.png and summary.json from results.json", flush=True)

@@ -2,9 +2,10 @@
 per row, the split's sample sizes, the τ rule explained by the reliability of the masks,
 the learning curve on validation prompts, the wall clock as paired ratios, and the targets.
 
-A round-3 results.json is told from round 2's by its "f_reliability" evaluation; report.py
-renders round 2's page and calls page() here for round 3's. Shared cells and tables come
-from report.py; this module measures nothing and runs no model.
+A round-3 results.json is told from round 2's by its "f_reliability" evaluation; page.py
+calls page() here for round 3's and report.py for round 2's. Shared cells and tables come
+from report.py (which imports nothing of this module); this module measures nothing and
+runs no model.
 """
 
 import os

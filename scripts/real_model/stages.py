@@ -10,7 +10,7 @@ outputs exist and whose key matches stages.json; __main__.py runs them in order.
   arms     the comparisons on the same rows, steps, lr and schedule (AR SFT, MARS with CE)
   eval     each of EVALS its own JSON under eval/ (evaluation.py, speed.py)
   results  results.json (what the page needs, without the replies) and, from it alone, the
-           page (report.py)
+           page (page.py: report.py or round3.py)
 
 The work itself lives in the modules named; this file holds only the wiring, so a stage's
 key is read beside the code it covers.
@@ -34,6 +34,7 @@ from scripts.real_model.evaluation import (
     eval_taus,
     side_by_side,
 )
+from scripts.real_model.page import write_page
 from scripts.real_model.replies import (
     REPLY_SPLITS,
     TEACHER_SPLITS,
@@ -45,7 +46,6 @@ from scripts.real_model.replies import (
     row_teacher,
     teacher_topk,
 )
-from scripts.real_model.report import write_page
 from scripts.real_model.run import BASE_DIR, GGUF, arms, digest
 from scripts.real_model.speed import eval_exact, eval_timing
 from scripts.real_model.training import train
@@ -178,7 +178,7 @@ def write_results(run):
     """results.json from eval/*.json (the replies left out), with what the page needs besides the
     evaluations: the settings, stages.json, the data's stats, the command, the machine and the
     replies side by side (the one step here that needs the model); then the page, the figure
-    and summary.json from that alone (report.write_page, as --report does)."""
+    and summary.json from that alone (page.write_page, as --report does)."""
     os.makedirs(run.results, exist_ok=True)
     ev = {name: json.load(open(run.path("eval", f"{name}.json")))["result"] for name in EVALS}
     stats = json.load(open(run.path("data", "stats.json")))

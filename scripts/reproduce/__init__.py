@@ -1,5 +1,5 @@
 """Reproduce the paper in miniature, from scratch, on a CPU, at several seeds: one command
-(MARS_SPEC §4, §5, §7).
+(docs/spec.md §4, §5, §7).
 
 Trains every variant the paper compares on the default tiny setup (configs/default.json: the
 model, data and schedule of `python train.py`, a tiny Qwen2 on the synthetic tasks of
@@ -36,4 +36,5 @@ alone, no model needed).
     python -m scripts.reproduce --seeds 0   # one seed, a third of the time
     python -m scripts.reproduce --quick     # A, M / 4, 100 test problems, seed 0
     python -m scripts.reproduce --quick --steps-scale 0.02 --limit 20 --results /tmp/r   # smoke test
+    python -m scripts.reproduce --replot    # tau_sweep.png again from results/runs/*.json alone
 """

@@ -15,7 +15,7 @@ import time
 
 from data.synthetic import read_jsonl
 from scripts import reproduce as package
-from scripts.reproduce.report import plot_sweep, write_results
+from scripts.reproduce.report import plot_sweep, saved_records, write_results
 from scripts.reproduce.runs import HERE, TAUS, plan
 from scripts.reproduce.training import benchmarks, pending, run, train_all, typed
 
@@ -44,6 +44,8 @@ def parse_args(argv):
     p.add_argument("--only", help="comma-separated variants to run (the AR stage is always run)")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--replot", action="store_true",
+                   help="redraw RESULTS/tau_sweep.png from RESULTS/runs/*.json alone (no training), and stop")
     return p.parse_args(argv)
 
 
@@ -52,6 +54,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     os.chdir(HERE)  # every path is relative to the repository
+    if a.replot:
+        plot_sweep(a.results, saved_records(a.results))
+        return print(f"wrote {a.results}/tau_sweep.png from {a.results}/runs/*.json")
     t_start = time.time()
     since = lambda: f"{(time.time() - t_start) / 60:.1f} min so far"
     P, vs = plan(a)

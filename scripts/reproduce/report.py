@@ -1,4 +1,4 @@
-"""results/RESULTS.md and tau_sweep.png from the saved records alone (MARS_SPEC §7): tables
+"""results/RESULTS.md and tau_sweep.png from the saved records alone (docs/spec.md §7): tables
 shaped like the paper's, its numbers beside ours, every cell the mean and min–max over the
 seeds, the comparisons the seeds do and do not support, and the benchmarks' logs.
 
@@ -7,14 +7,16 @@ The records are what training.py saved ({variant: {seed: record}}, read from
 date, machine, times, data sizes) and the command list come from the caller.
 """
 
+import glob
+import json
 import os
 
 from data.synthetic import FAMILIES
-from scripts.reproduce.runs import PHASE
+from scripts.reproduce.runs import PHASE, variants
 from util.atomic import write_text
 
 FAMILY_COLS = FAMILIES  # data/synthetic.py
-# MARS_SPEC §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
+# docs/spec.md §7. 0.5B and 7B are six-benchmark averages; the τ sweep is 7B on GSM8K.
 PAPER_ONE_TOKEN = {"ar_sft": "28.7 / 56.6", "mars_b4": "30.4 / 58.1"}
 PAPER_B = {4: ("30.4", "28.4"), 8: ("29.7", "26.4"), 16: ("29.7", "22.2")}
 PAPER_MULTI = {"mars_b4": "0.5B: −1.4 at 1.46; 7B: −1.3 at 1.68", "mars_b8": "7B: 1.82 tok/fwd",
@@ -108,13 +110,13 @@ def results_header(meta):
             f"which keeps separating models once accuracy sits at 100 %; \"hard\" is the accuracy on the "
             f"{meta['n_hard']} longer problems of the hard split at τ = 1. **Every cell with several seeds "
             "is the mean (min–max) over them.** The paper's numbers are Qwen2.5-0.5B / 7B on real "
-            "benchmarks (MARS_SPEC §7): compare directions and shapes, not magnitudes.", "",
+            "benchmarks (docs/spec.md §7): compare directions and shapes, not magnitudes.", "",
             f"Checkpoints, training logs and loss curves: `{meta['root']}/s<seed>/<variant>/` (log.jsonl, "
             "loss.png)."]
 
 
 def paper_tables(q, taus):
-    """The tables shaped like the paper's (MARS_SPEC §7), its numbers beside ours: one-token
+    """The tables shaped like the paper's (docs/spec.md §7), its numbers beside ours: one-token
     mode, block size with / without L_AR, multi-token at τ = 0.95, the τ sweep, Block Diffusion."""
     L = ["", "## One-token mode (τ = 1): does MARS keep AR quality?", ""]
     L += table(["model", "steps", "accuracy", *FAMILY_COLS, "NLL", "hard", "paper avg 0.5B / 7B"],
@@ -250,16 +252,34 @@ def write_results(R, results, meta, cmds):
     write_text(os.path.join(R, "RESULTS.md"), "\n".join(L) + "\n")
 
 
+def saved_records(R):
+    """{variant: {seed: record}} from R/runs/*.json alone, variants in run order, seeds sorted:
+    what tau_sweep.png is drawn from (`python -m scripts.reproduce --replot`)."""
+    found = {}
+    for path in glob.glob(os.path.join(R, "runs", "*.json")):
+        with open(path) as f:
+            r = json.load(f)
+        found.setdefault(r["name"], {})[r["seed"]] = r
+    order = [v["name"] for v in variants(1, 1, "")]
+    return {n: dict(sorted(found[n].items())) for n in order if n in found}
+
+
+ZOOM = (3.52, 3.82, 93.5, 101.0)  # x0, x1, y0, y1: the B = 4 runs' multi-token points, side by side
+
+
 def plot_sweep(R, results):
     """Accuracy against tokens per forward over the τ sweep, the mean over the seeds with the
-    min–max of the accuracy as error bars."""
+    min–max of the accuracy as error bars: every variant on the left, the B = 4 runs' τ < 1
+    points (which sit within 0.2 tokens per forward of each other) enlarged on the right, with
+    their τ; the legend below both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     q = Lookup(results)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 5.6), gridspec_kw={"width_ratios": [2.1, 1]})
     colours = {4: "tab:blue", 8: "tab:orange", 16: "tab:green"}
     for n in (n for n in results if results[n]):
         taus = sorted({float(t) for r in results[n].values() for t in r["results"]}, reverse=True)
@@ -267,24 +287,37 @@ def plot_sweep(R, results):
         x = [sum(a) / len(a) for a, _, _ in pts]
         y = [sum(b) / len(b) for _, b, _ in pts]
         err = [[m - min(b) for m, (_, b, _) in zip(y, pts)], [max(b) - m for m, (_, b, _) in zip(y, pts)]]
-        if n.startswith(("mars", "noar", "bidir")):
-            B = int(n.rsplit("_b", 1)[1])
-            kind = "mars" if n.startswith("mars") else "bidir" if n.startswith("bidir") else \
-                "invt" if "invt" in n else "noar"
-            style = {"mars": "-", "bidir": ":", "invt": "-.", "noar": "--"}[kind]
-            colour = {"bidir": "tab:purple", "invt": "tab:red"}.get(kind, colours[B])
-            ax.errorbar(x, y, yerr=err, fmt=style, marker="o", ms=3, capsize=2, label=q.label(n),
-                        color=colour)
-            if n == "mars_b4":
-                for xi, yi, (_, _, t) in zip(x, y, pts):
-                    ax.annotate(f"τ={t}", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        else:
-            ax.errorbar(x[:1], y[:1], yerr=[e[:1] for e in err], fmt="*", ms=10, capsize=2,
-                        color="k" if n == "ar_sft" else "0.6", label=q.label(n))
-    ax.set(xlabel="tokens per forward", ylabel="accuracy (%)",
-           title="τ sweep: accuracy against speed-up (mean, min–max over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+        for a in (ax, zoom) if n.endswith("_b4") else (ax,):  # the enlargement: the B = 4 runs only
+            if n.startswith(("mars", "noar", "bidir")):
+                B = int(n.rsplit("_b", 1)[1])
+                kind = "mars" if n.startswith("mars") else "bidir" if n.startswith("bidir") else \
+                    "invt" if "invt" in n else "noar"
+                style = {"mars": "-", "bidir": ":", "invt": "-.", "noar": "--"}[kind]
+                colour = {"bidir": "tab:purple", "invt": "tab:red"}.get(kind, colours[B])
+                a.errorbar(x, y, yerr=err, fmt=style, marker="o", ms=3, capsize=2, label=q.label(n),
+                           color=colour)
+            else:
+                a.errorbar(x[:1], y[:1], yerr=[e[:1] for e in err], fmt="*", ms=10, capsize=2,
+                           color="k" if n == "ar_sft" else "0.6", label=q.label(n))
+        if n == "mars_b4":  # τ = 1 on the left; the rest on the right, the steep part's in a column
+            ax.annotate("τ=1.0", (x[0], y[0]), fontsize=7, xytext=(4, 5), textcoords="offset points")
+            for xi, yi, (_, _, t) in list(zip(x, y, pts))[1:]:
+                if t >= 0.8:
+                    zoom.annotate(f"τ={t}", (xi, yi), fontsize=7, xytext=(5, 4), textcoords="offset points")
+                else:
+                    zoom.annotate(f"τ={t}", (xi, yi), fontsize=7, xytext=(ZOOM[1] - 0.03, yi), va="center",
+                                  arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"})
+    x0, x1, y0, y1 = ZOOM
+    ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, lw=0.8, ls="--", color="0.3"))
+    ax.annotate("enlarged on the right", (x1, y0), fontsize=7, xytext=(4, -12), textcoords="offset points")
+    ax.set(xlabel="tokens per forward", ylabel="accuracy (%)", title="every variant")
+    zoom.set(xlim=(x0, x1), ylim=(y0, y1), xlabel="tokens per forward",
+             title="B = 4, τ < 1, enlarged")
+    for a in (ax, zoom):
+        a.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("τ sweep: accuracy against tokens per forward (mean, min–max over seeds)")
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(os.path.join(R, "tau_sweep.png"), dpi=110)
     plt.close(fig)

@@ -1,5 +1,5 @@
 """What the reproduction runs: every variant at every seed, with its train and eval commands,
-and the benchmark commands (MARS_SPEC §4, §5, §7; the variants are listed in the package
+and the benchmark commands (docs/spec.md §4, §5, §7; the variants are listed in the package
 docstring, scripts/reproduce/__init__.py).
 
 A variant is a set of train.py settings; `plan` turns the command-line options into the run's

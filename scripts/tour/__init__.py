@@ -1,5 +1,5 @@
 """The guided trace docs/tour.md: one tiny batch through mars.py and one decoding step through
-generate.py and exact.py, with shapes, each stage linked to its function and MARS_SPEC section.
+generate.py and exact.py, with shapes, each stage linked to its function and docs/spec.md section.
 
 The page is generated so that it stays true: every tensor on it comes from calling the
 repository's own functions on a tiny seeded random model (model.Qwen2, model.init_weights,

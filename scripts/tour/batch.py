@@ -1,4 +1,4 @@
-"""Section 1 of docs/tour.md: one tiny batch through mars.py (MARS_SPEC §2-§4): the rows
+"""Section 1 of docs/tour.md: one tiny batch through mars.py (docs/spec.md §2-§4): the rows
 padded and collated, the two streams and their mask, the right shift and the loss.
 
 Every tensor comes from mars.py's own functions; mars_loss returns only its three means, so the

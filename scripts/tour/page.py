@@ -10,7 +10,7 @@ from scripts.tour.markup import fn
 from scripts.tour.step import exact_section, tau_section, whole_runs
 from scripts.tour.toy import SEED, STD, VOCAB, B, tiny_model
 
-SPEC = "../../shared/MARS_SPEC.md"  # beside the repository, not in it
+SPEC = "spec.md"  # docs/spec.md, beside this page
 
 
 def header(model):
@@ -23,7 +23,7 @@ def header(model):
             "that it is what the script gives today.*", "",
             "For students stepping through the code. Every tensor below is what the repository's own "
             "functions return (each stage links the function and cites its section §N of "
-            f"[`MARS_SPEC.md`]({SPEC})), run on a tiny random model, so a debugger stopped in any of "
+            f"[`docs/spec.md`]({SPEC})), run on a tiny random model, so a debugger stopped in any of "
             "them while the script runs shows these values. Where a function keeps an intermediate to "
             "itself, the script makes the same calls it makes, in its order, and checks the result "
             f"against it ([`scripts/tour/`](../scripts/tour/)).", "",

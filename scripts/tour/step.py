@@ -1,4 +1,4 @@
-"""Sections 2-4 of docs/tour.md: one τ-gated decoding step through generate.py (MARS_SPEC
+"""Sections 2-4 of docs/tour.md: one τ-gated decoding step through generate.py (docs/spec.md
 §5-§6), one exact-mode step through exact.py (§3, §5, §6), and the three decoders run to the end.
 
 `window_steps` and `exact_steps` keep their cache and drafts to themselves, so each step here

@@ -1,0 +1,436 @@
+"""The whole GPU picture in one command (issue 40): decoding, exactness, HF, a training step and
+the main job on CUDA, written to results/GPU.md and results/gpu.json. Not a test.
+
+Nothing is downloaded: the decoding model is a random Qwen2.5-0.5B-shaped model built here with
+model.py (its mask predictions are noise, so τ and exact mode accept few drafts: the step
+ratios, not the tokens per forward, are what it measures). Sections run in order of what
+they answer, each only if the time budget (--minutes) still holds it, and the page is
+rewritten after each, so a run cut short keeps what it measured:
+
+  decode    our AR, the τ loop (window), exact K = 1, 2, 4, eager and compiled
+            (model.compile_decoding: CUDA graphs), and HF generate (dynamic and static cache)
+            at batch 1, 4, 16, bf16, 64 new tokens: tokens/s, ms per step, x AR, GB/s of
+            weights read against the card's bandwidth; graphs built after warm-up
+            and, per batch, exact mode = AR (eager and compiled) and AR alone = AR in the batch
+  train     one optimizer step at the 0.5B shape, 512-token rows, gradient checkpointing,
+            bf16: AR vs MARS, eager vs torch.compile; peak memory against util/memory.py's
+            estimate for configs/qwen2.5-0.5b-24gb.json
+  main      python train.py --device=cuda (the toy main job): time and its accuracy lines
+
+On a machine without CUDA it says so in one line and exits 0.
+
+    python -m scripts.bench_gpu                  # ~8 min on one H200
+    python -m scripts.bench_gpu --minutes 3 --batch-sizes 1,4
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from exact import generate_exact
+from generate import generate, generate_ar
+from model import Qwen2, Qwen2Config, compile_decoding, init_weights
+from scripts.common import ints, machine
+from util.atomic import atomic_write
+
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
+MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
+DEVICE = "cuda"  # (a dry run on the CPU sets "cpu")
+
+
+def bandwidth():
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None), name
+
+
+def random_05b(seed=0):
+    """A random model of Qwen2.5-0.5B's shape (Qwen2Config's defaults) in bf16 on the GPU."""
+    return init_weights(Qwen2(Qwen2Config()), seed=seed).to(DEVICE, torch.bfloat16).eval()
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 150000, (int(L),), generator=g).tolist()
+        for L in torch.randint(32, 49, (n,), generator=g)
+    ]
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+# ----------------------------------------------------------------------------- decode
+def our_decoders(model, new):
+    B = 4
+    out = {
+        "AR": lambda p: generate_ar(model, p, new),
+        "tau=0.95 window": lambda p: generate(
+            model, p, block_size=B, tau=0.95, max_new_tokens=new, mask_id=MASK
+        ),
+    }
+    for K in (1, 2, 4):
+        out[f"exact K={K}"] = lambda p, K=K: generate_exact(
+            model, p, block_size=B, drafts=K, max_new_tokens=new, mask_id=MASK
+        )
+    return out
+
+
+def run_ours(model, step, name, dec, batch, new, res, budget):
+    """Warm up (and compile) one decoder at one batch, then time it (twice, compiled) -> its row."""
+    model.compiled_hidden = step
+    graphs0 = graph_count()
+    p = prompts(batch, seed=batch)
+    dec(p)  # warm-up: compiles this shape when compiled
+    warm = graph_count()
+    times, gens = [], None
+    for _ in range(2 if step else 1):
+        dt, gens = timed(lambda: dec(p))
+        times.append(dt)
+    model.compiled_hidden = None
+    tokens, forwards = sum(len(g.ids) for g in gens), max(g.forwards for g in gens)
+    dt = min(times)
+    row = dict(
+        decoder=name + (" compiled" if step else ""),
+        batch=batch,
+        tokens_per_s=tokens / dt,
+        ms_per_forward=1000 * dt / forwards,
+        tokens_per_forward=tokens / forwards / batch,
+        graphs_at_warmup=warm - graphs0,
+        recompiles_after_warmup=graph_count() - warm,
+        ids=[g.ids for g in gens],
+    )
+    res.append(row)
+    return row
+
+
+def graph_count():
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def hf_rows(model, batches, new, res, budget):
+    """HF generate on the same weights: dynamic cache, and static cache (compiled by HF)."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.bfloat16)
+        hf = hf.to(DEVICE).eval()
+    for impl in ("dynamic", "static"):
+        for batch in batches:
+            if budget.left() > 60 and (impl == "dynamic" or batch <= 4):
+                res.append(hf_one(hf, impl, batch, new))
+
+
+@torch.no_grad()
+def hf_one(hf, impl, batch, new):
+    p = prompts(batch, seed=batch)
+    L = max(map(len, p))
+    ids = torch.tensor([[0] * (L - len(x)) + x for x in p], device=DEVICE)  # left-padded, as HF wants
+    att = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in p], device=DEVICE)
+    kw = dict(attention_mask=att, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if impl == "static":
+        kw["cache_implementation"] = "static"
+    hf.generate(ids, **kw)  # warm-up (static: HF compiles its forward)
+    dt, _ = timed(lambda: hf.generate(ids, **kw))
+    return dict(
+        decoder=f"HF generate ({impl} cache)",
+        batch=batch,
+        tokens_per_s=batch * new / dt,
+        ms_per_forward=1000 * dt / new,
+        tokens_per_forward=1.0,
+    )
+
+
+def decode_section(args, out, budget):
+    model = random_05b()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw, name = bandwidth()
+    out["decode"] = dict(
+        model="random Qwen2.5-0.5B shape, bf16",
+        params=model.num_params(),
+        weight_bytes=nbytes,
+        card=name,
+        bandwidth=bw,
+        new_tokens=args.new_tokens,
+        rows=[],
+    )
+    rows = out["decode"]["rows"]
+    step = compile_decoding(model).compiled_hidden
+    model.compiled_hidden = None
+    decs = our_decoders(model, args.new_tokens)
+    for batch in args.batch_sizes:  # eager: no compile, a few seconds each
+        for name, dec in decs.items():
+            if budget.left() > 30:
+                run_ours(model, None, name, dec, batch, args.new_tokens, rows, budget)
+    budget.save(out)
+    # compiled, what the targets read first: AR and exact K = 2 at every batch, then the others
+    order = [(n, b) for n in ("AR", "exact K=2") for b in args.batch_sizes]
+    order += [(n, args.batch_sizes[0]) for n in ("tau=0.95 window", "exact K=1", "exact K=4")]
+    order += [(n, b) for n in ("tau=0.95 window", "exact K=1", "exact K=4") for b in args.batch_sizes[1:]]
+    for name, batch in order:
+        if budget.left() > 150:
+            run_ours(model, step, name, decs[name], batch, args.new_tokens, rows, budget)
+            budget.save(out)
+    alone_rows(model, step, args, out, budget)
+    budget.save(out)
+    if budget.left() > 150:
+        hf_rows(model, args.batch_sizes, args.new_tokens, rows, budget)
+    exact_section(out)
+    del model
+    torch.cuda.empty_cache()
+
+
+def alone_rows(model, step, args, out, budget):
+    """AR alone = AR in the batch (eager, and compiled where the batch was compiled): each
+    prompt of the batch decoded alone against the batch's timed run."""
+    by = {(r["decoder"], r["batch"]): r["ids"] for r in out["decode"]["rows"]}
+    out["alone"] = []
+    for compiled in (None, step):
+        name = "AR compiled" if compiled else "AR"
+        for batch in args.batch_sizes[1:]:
+            if (name, batch) in by and budget.left() > 60:
+                model.compiled_hidden = compiled
+                alone = [generate_ar(model, [x], args.new_tokens)[0].ids for x in prompts(batch, seed=batch)]
+                model.compiled_hidden = None
+                out["alone"].append(dict(check=f"{name} alone = {name} in the batch", batch=batch, rows=batch,
+                                         rows_equal=sum(a == b for a, b in zip(alone, by[name, batch]))))
+
+
+def exact_section(out):
+    """Exact = AR at each batch: eager against eager AR, compiled against compiled AR."""
+    rows = out["decode"]["rows"]
+    by = {(r["decoder"], r["batch"]): r.get("ids") for r in rows}
+    checks = []
+    for (name, batch), ids in by.items():
+        if ids is None or not name.startswith("exact"):
+            continue
+        ar = by.get(("AR compiled" if name.endswith("compiled") else "AR", batch))
+        if ar is not None:
+            checks.append(
+                dict(
+                    check=f"{name} = {'AR compiled' if name.endswith('compiled') else 'AR'}",
+                    batch=batch,
+                    rows_equal=sum(a == b for a, b in zip(ids, ar)),
+                    rows=len(ids),
+                )
+            )
+    out["exact"] = checks
+
+
+# ----------------------------------------------------------------------------- train
+def train_section(out, budget):
+    from settings import parse_settings
+    from util.memory import estimate_memory
+
+    S = parse_settings(["--config", "configs/qwen2.5-0.5b-24gb.json"])
+    cfg = Qwen2Config()
+    res = dict(
+        config="configs/qwen2.5-0.5b-24gb.json",
+        micro_batch=S.micro_batch_size,
+        row_tokens=512,
+        estimate_GiB=estimate_memory(cfg, S) / 2**30,
+        rows=[],
+    )
+    for compiled in (False, True):
+        for kind in ("AR", "MARS"):
+            if budget.left() > (150 if compiled else 45):
+                res["rows"].append(train_one(cfg, S, kind, compiled))
+                torch.cuda.empty_cache()
+    out["train"] = res
+
+
+def train_one(cfg, S, kind, compiled):
+    """Warm-up step, then the fastest of 3 steps, and the peak memory of those 3."""
+    from mars import ar_loss, mars_loss
+
+    model = init_weights(Qwen2(cfg), seed=0).to(DEVICE)
+    model.gradient_checkpointing = True
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 150000, (S.micro_batch_size, 512), generator=g).cuda()
+    labels = ids.clone()
+    labels[:, :128] = -100  # a 128-token prompt, 384 answer tokens
+
+    def loss_of(x, y):
+        return ar_loss(model, x, y) if kind == "AR" else mars_loss(model, x, y, MASK, 4, trim_noisy=True)[0]
+
+    loss_fn = torch.compile(loss_of) if compiled else loss_of
+
+    def one_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step()  # warm-up (compiles)
+    torch.cuda.reset_peak_memory_stats()
+    times = [timed(one_step)[0] for _ in range(3)]
+    return dict(
+        loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=torch.cuda.max_memory_allocated() / 2**30
+    )
+
+
+def main_job_section(out, budget):
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        r = subprocess.run(
+            [sys.executable, "train.py", "--device=cuda", f"--out_dir={d}/out"],
+            capture_output=True,
+            text=True,
+            timeout=max(60, budget.left()),
+        )
+        out["main"] = dict(
+            seconds=time.perf_counter() - t0,
+            returncode=r.returncode,
+            last_lines=r.stdout.strip().splitlines()[-4:] + r.stderr.strip().splitlines()[-2:],
+        )
+
+
+# ----------------------------------------------------------------------------- page
+class Budget:
+    def __init__(self, minutes, path):
+        self.end, self.path = time.perf_counter() + 60 * minutes, path
+
+    def left(self):
+        return self.end - time.perf_counter()
+
+    def save(self, out):
+        slim = json.loads(json.dumps(out, default=str))
+        for r in slim.get("decode", {}).get("rows", []):
+            r.pop("ids", None)
+        atomic_write(self.path + ".json", lambda f: json.dump(slim, f, indent=1))
+        atomic_write(self.path + ".md", lambda f: f.write(page(slim)))
+
+
+def page(out):
+    lines = ["# GPU results (scripts/bench_gpu.py)", "", out.get("machine", ""), ""]
+    d = out.get("decode")
+    if d:
+        bw = d["bandwidth"]
+        lines += [
+            f"## Decoding: {d['model']}, {d['params'] / 1e6:.0f}M params ({d['weight_bytes'] / 1e9:.2f} GB), "
+            f"{d['new_tokens']} new tokens, greedy",
+            "",
+            "| batch | decoder | tokens/s | ms/forward | x AR | tokens/forward | weights GB/s "
+            "| % of bandwidth "
+            "| recompiles after warm-up |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        ar = {
+            (r["batch"], r["decoder"].endswith("compiled")): r["ms_per_forward"]
+            for r in d["rows"]
+            if r["decoder"] in ("AR", "AR compiled")
+        }
+        for r in sorted(d["rows"], key=lambda r: r["batch"]):
+            ref = ar.get((r["batch"], r["decoder"].endswith("compiled")))
+            gbs = d["weight_bytes"] / (r["ms_per_forward"] / 1000) / 1e9
+            lines.append(
+                f"| {r['batch']} | {r['decoder']} | {r['tokens_per_s']:.1f} | {r['ms_per_forward']:.2f} | "
+                f"{r['ms_per_forward'] / ref:.2f} | {r['tokens_per_forward']:.2f} | "
+                if ref
+                else f"| {r['batch']} | {r['decoder']} | {r['tokens_per_s']:.1f} | "
+                f"{r['ms_per_forward']:.2f} | - | "
+                f"{r['tokens_per_forward']:.2f} | "
+            )
+            lines[-1] += (
+                f"{gbs:.0f} | {100 * gbs * 1e9 / bw:.1f} % | {r.get('recompiles_after_warmup', '-')} |"
+                if bw
+                else f"{gbs:.0f} | - | {r.get('recompiles_after_warmup', '-')} |"
+            )
+        lines.append("")
+    for c in out.get("exact", []):
+        lines.append(f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical")
+    for c in out.get("alone", []):
+        lines.append(f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical")
+    t = out.get("train")
+    if t:
+        lines += [
+            "",
+            f"## Training step: 0.5B shape, {t['micro_batch']} rows x {t['row_tokens']} tokens, bf16, "
+            f"gradient checkpointing (estimate for {t['config']}: {t['estimate_GiB']:.1f} GiB)",
+            "",
+            "| loss | compiled | ms/step | peak GiB |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['loss']} | {r['compiled']} | {r['ms']:.0f} | {r['peak_GiB']:.2f} |" for r in t["rows"]
+        ]
+    m = out.get("main")
+    if m:
+        lines += (
+            [
+                "",
+                f"## Main job: python train.py --device=cuda: {m['seconds'] / 60:.1f} min, "
+                f"exit {m['returncode']}",
+                "",
+                "```",
+            ]
+            + m["last_lines"]
+            + ["```"]
+        )
+    lines += [
+        "",
+        f"Sections not reached in the time budget: {', '.join(out.get('skipped', [])) or 'none'}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--minutes", type=float, default=8.0, help="time budget; sections that no longer fit are skipped"
+    )
+    p.add_argument("--batch-sizes", type=ints, default=[1, 4, 16])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--out", default="results/GPU", help="writes OUT.md and OUT.json")
+    p.add_argument("--sections", default="decode,train,main")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device here: scripts.bench_gpu measures a GPU, nothing to do")
+        return 0
+    budget = Budget(args.minutes, args.out)
+    out = dict(machine=machine("cuda"), skipped=[])
+    sections = dict(
+        decode=lambda: decode_section(args, out, budget),
+        train=lambda: train_section(out, budget),
+        main=lambda: main_job_section(out, budget),
+    )
+    for name in args.sections.split(","):
+        if budget.left() < 60:
+            out["skipped"].append(name)
+            continue
+        t0 = time.perf_counter()
+        print(f"[{name}] {budget.left():.0f} s left", flush=True)
+        try:
+            sections[name]()
+        except Exception as e:  # a section that fails is reported, the others still run
+            out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"[{name}] failed: {e}", flush=True)
+        out.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
+        budget.save(out)
+    print(page(json.loads(json.dumps(out, default=str))))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The static decoding step and `--compile` (issue 40): a step of fixed shape over a static KV cache
+gives the growing cache's outputs, and the compiled step gives the eager step's tokens with no
+recompile after the warm-up.
+
+Proof 1 (float64, where rounding is not the question): every decoder (AR, exact mode, the τ
+loop with the window and the block cache) on a ragged batch, once with the static layout (the
+cache read whole, every step padded to its decoder's fixed width, written by index: what a
+compiled step runs, here run eagerly) and once as before; same tokens and the same logits
+to 1e-12. Proof 2 (float32, inductor): the compiled decoders give the eager tokens, their step
+logits stay within a bound measured here, and a 64-token decode after the warm-up builds no
+graph. The models are tiny so that compiling stays a few seconds a graph.
+"""
+
+import torch
+
+import model as model_py
+from exact import generate_exact
+from generate import generate, generate_ar
+from kvcache import KVCache
+from model import Qwen2, Qwen2Config, compile_decoding, init_weights
+
+MASK = 63
+
+
+def tiny(dtype, seed=0):
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return init_weights(Qwen2(cfg), std=0.3, seed=seed).to(dtype).eval()
+
+
+def ragged(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (n,), generator=g)
+    return [torch.randint(0, MASK, (int(L),), generator=g).tolist() for L in lengths]
+
+
+def every_decoder(model, prompts, new=20):
+    out = {"AR": [g.ids for g in generate_ar(model, prompts, new)]}
+    for K in (1, 2):
+        out[f"exact K={K}"] = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=K,
+                                                            max_new_tokens=new, mask_id=MASK)]
+    for cache in ("window", "block"):
+        out[cache] = [g.ids for g in generate(model, prompts, block_size=4, tau=0.4, max_new_tokens=new,
+                                              mask_id=MASK, cache=cache, block_cache_size=6)]
+    return out
+
+
+@torch.no_grad()
+def test_the_static_step_equals_the_growing_cache_in_float64():
+    """Every decoder, ragged batch of 3, float64: the static layout (model.static_hidden run
+    eagerly in place of the compiled step) gives the tokens of the growing cache, and one step's
+    logits over a static cache equal the growing cache's to 1e-12."""
+    model = tiny(torch.float64)
+    prompts = ragged()
+    before = every_decoder(model, prompts)
+    model.compiled_hidden = model_py.static_hidden  # the compiled step's code, not compiled
+    after = every_decoder(model, prompts)
+    assert after == before
+    assert len(set(map(len, prompts))) > 1  # the rows really are ragged
+    # one step: 5 new tokens on ragged prefixes, static cache (whole span, index writes) vs growing
+    idx = torch.randint(0, MASK, (3, 9), generator=torch.Generator().manual_seed(1))
+    lens = torch.tensor([4, 2, 3])
+    logits = []
+    for static in (False, True):
+        cache = KVCache.for_model(model, 3, 20)
+        cache.static = static
+        model.compiled_hidden = model_py.static_hidden if static else None
+        model.hidden(idx[:, :4], cache=cache)
+        cache.commit(lens)
+        logits.append(model.lm_head(model.step(idx[:, 4:], cache=cache)))
+    assert KVCache.for_model(model, 3, 20).static  # compiled_hidden set: the decoders' cache is static
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-12, rtol=0)
+
+
+# measured 1.7e-6 (logits of size ~3) on a 2-core AMD EPYC with AVX2 only, torch 2.13, inductor: ~11x margin
+COMPILED_LOGITS_ATOL = 2e-5
+
+
+@torch.no_grad()
+def test_compiled_decoders_give_the_eager_tokens_and_never_recompile():
+    """float32, inductor: the compiled AR and exact K = 2 decoders give the eager tokens on a ragged
+    batch (the model's argmax margins are far above the bound below, checked), one compiled
+    step's logits are within COMPILED_LOGITS_ATOL of the eager step's, and a 64-token decode
+    after the warm-up builds no new graph."""
+    import torch._dynamo
+
+    model = tiny(torch.float32, seed=1)
+    prompts = ragged(seed=1)
+    eager_ar = [g.ids for g in generate_ar(model, prompts, 64)]
+    eager_ex = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=64,
+                                              mask_id=MASK)]
+    compile_decoding(model)
+    generate_ar(model, prompts, 4)  # warm-up: compiles the AR step of this batch
+    generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=4, mask_id=MASK)
+    built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_ar = [g.ids for g in generate_ar(model, prompts, 64)]
+    compiled_ex = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=64,
+                                                 mask_id=MASK)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == built  # no recompile
+    assert compiled_ar == eager_ar and compiled_ex == eager_ex == eager_ar
+    # one step, compiled against eager, on the same static cache contents
+    cache = KVCache.for_model(model, 3, 70)
+    model.hidden(torch.tensor([p[:3] for p in prompts]), cache=cache)
+    cache.commit(3)
+    tok = torch.tensor([[5], [6], [7]])
+    k, v = cache.k.clone(), cache.v.clone()
+    compiled = model.lm_head(model.step(tok, cache=cache))
+    cache.k.copy_(k), cache.v.copy_(v)
+    step, model.compiled_hidden = model.compiled_hidden, None
+    eager = model.lm_head(model_py.static_hidden(model, tok, None, None, cache.k, cache.v, cache.lengths))
+    model.compiled_hidden = step
+    err = (compiled - eager).abs().max().item()
+    print(f"compiled - eager step logits: {err:.2e}")
+    assert err <= COMPILED_LOGITS_ATOL, err
+    top2 = eager.float().topk(2, -1).values
+    assert (top2[..., 0] - top2[..., 1]).min().item() > 100 * COMPILED_LOGITS_ATOL  # no near-tie to flip
+
+
+def test_a_compiled_step_reads_no_length_back():
+    """The static cache's `begin` syncs nothing: it never calls int() / .item() on the lengths
+    (a host sync inside the step would break a CUDA graph): checked by making the lengths
+    refuse to be read back."""
+    model = tiny(torch.float32)
+    cache = KVCache.for_model(model, 2, 20)
+    cache.static = True
+
+    class NoReadBack(torch.Tensor):
+        def __int__(self):
+            raise AssertionError("int() of the lengths: a host sync")
+
+        def item(self):
+            raise AssertionError(".item() of the lengths: a host sync")
+
+    cache.lengths = torch.tensor([3, 5]).as_subclass(NoReadBack)
+    cache.begin(4)
+    assert cache.span == cache.k.shape[3] and cache.at is None
