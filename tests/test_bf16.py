@@ -416,3 +416,15 @@ def test_smollm2_exact_mode_in_bf16_is_bf16_ar(smollm2_bf16):
     for K in (1, 2):
         ex = generate_exact(model, prompts, block_size=4, drafts=K, max_new_tokens=new, mask_id=mask_id)
         assert [g.ids for g in ex] == ar, K
+
+
+# ----------------------------------------------------------------------------- on CUDA
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/bench_gpu.py measures it too)")
+def test_on_cuda_exact_mode_is_ar_alone_and_in_batches_of_1_4_16():
+    """Where a GPU is present (never in CI, which has none: not counted as its coverage): the same
+    construction on CUDA's kernels (row tile 128), bf16, eager: exact mode K = 1, 2, 4 equals AR,
+    and AR alone equals AR in the batch, at batch 1, 4 and 16."""
+    model = tiny_bf16(2, packed=False, width=SMALL, std=0.2).cuda()
+    for n in (1, 4, 16):
+        out, _ = decodes(model, prompts_of(n, n=n), max_new=16)
+        assert differing(out) == [], n
