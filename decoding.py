@@ -85,6 +85,12 @@ def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None,
             raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def compiled(model):
+    """Whether decoding steps run compiled (model.compile_decoding): then every step forwards
+    its decoder's fixed width, padded, and never reads a length back from the device."""
+    return model.compiled_hidden is not None
+
+
 # ---------------------------------------------------------------- tensors in, tensors out
 def pad_rows(rows, pad_id, device, width=None):
     """Right-pad lists of ids into a (N, T) tensor, T = the longest row, or `width` (a compiled

@@ -62,7 +62,7 @@ batch is the row alone with the same generator (up to bitwise-equal logits).
 
 import torch
 
-from decoding import Rows, Step, check_request, collect, logits_at, pad_rows, streams
+from decoding import Rows, Step, check_request, collect, compiled, logits_at, pad_rows, streams
 from kvcache import KVCache
 from mars import exact_attention_mask
 from sampling import GREEDY, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
@@ -171,7 +171,7 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     while not all(rows.done):
         # drafts past the budget could never be emitted: do not forward them
         d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(N)]
-        k = K if model.compiled_hidden is not None else max(map(len, d))  # drafts' slots this step
+        k = K if compiled(model) else max(map(len, d))  # drafts' slots this step
         tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id, k)
         # one LM head call for the verification and every group: which group is read
         # depends on the verification, and a second call would stream the head's V x C

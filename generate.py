@@ -53,6 +53,7 @@ from decoding import (
     check_request,
     check_tau,
     collect,
+    compiled,
     leading_run,
     logits_at,
     pad_rows,
@@ -105,12 +106,6 @@ def nocache_logits(model, seqs, B, mask_id):
     h = model.hidden(pad_rows([s + [mask_id] * B for s in seqs], mask_id, device))  # (N, T, C)
     last = torch.tensor([len(s) - 1 for s in seqs], device=device)
     return logits_at(model, h, last, B)
-
-
-def compiled(model):
-    """Whether decoding steps run compiled (model.compile_decoding): then every step forwards
-    its decoder's fixed width, padded, and never reads a length back from the device."""
-    return model.compiled_hidden is not None
 
 
 def extend_cache(model, cache, tokens, n, step=False):
