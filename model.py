@@ -24,8 +24,10 @@ build it with no bias tensors (`attention_bias=False`) rather than with zero one
 it has exactly the checkpoint's parameters and saves back as a `llama` config.json.
 """
 
+import itertools
 import math
 import os
+import weakref
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -190,12 +192,37 @@ class Linear(nn.Linear):
         return in_tiles(self.product, rows, row_tile(x.device)).reshape(*x.shape[:-1], -1)
 
     def product(self, x):
-        p = self.packed  # (inductor cannot lower oneDNN's packed op: a compiled step takes F.linear)
+        p = self.packed
         if p is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype and x.is_cpu \
-                and not torch.compiler.is_compiling() \
-                and x.numel() <= self.packed_max_rows * x.shape[-1] and p[0] == _weight_key(self.weight):
-            return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
+                and x.numel() <= self.packed_max_rows * x.shape[-1]:
+            if torch.compiler.is_compiling():  # one opaque call in the graph (inductor cannot trace oneDNN's)
+                return packed_linear(x, self.weight, self.bias, self.slot)
+            if p[0] == _weight_key(self.weight):
+                return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+_SLOTS = itertools.count()
+PACKED = weakref.WeakValueDictionary()  # slot -> a Linear with a packed copy (a compiled step names it so)
+
+
+def _packed_linear(x, weight, bias, slot):
+    """Linear.product's packed matmul as one opaque call of a compiled step (inductor cannot
+    trace oneDNN's packed op; its own fp32 prepacking, MKL's, is 1.6x slower at 9 rows here):
+    the packed copy of Linear PACKED[slot], or F.linear if `weight` is not the one it was packed
+    from. A plain library op: torch.library.custom_op's wrapper costs ~100 us a call."""
+    m = PACKED.get(slot)
+    if m is None or m.packed is None or m.packed[0] != _weight_key(weight):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, m.packed[1], bias, "none", [], "")
+
+
+_LIB = torch.library.Library("mars", "DEF")
+_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")
+_LIB.impl("packed_linear", _packed_linear, "CPU")
+torch.library.register_fake("mars::packed_linear", lambda x, weight, bias, slot:
+                            x.new_empty(*x.shape[:-1], weight.shape[0]), lib=_LIB)
+packed_linear = torch.ops.mars.packed_linear
 
 
 def _weight_key(w):
@@ -551,6 +578,8 @@ def pack_for_decoding(model: Qwen2, rows: int = ROW_TILE["cpu"]) -> Qwen2:
             if w is not None and w.dtype in dtypes and w.is_cpu:
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
                 module.packed = (_weight_key(w), packed)
+                module.slot = next(_SLOTS)
+                PACKED[module.slot] = module
     return model
 
 
@@ -566,19 +595,18 @@ def compile_decoding(model: Qwen2, mode: str | None = None) -> Qwen2:
     Every decoder (generate.py, exact.py) then runs each forward of a fixed shape through the
     compiled step, over a static KV cache (kvcache.py): one graph per decoder and batch,
     compiled on first use, no recompile after. mode: torch.compile's; default "reduce-overhead"
-    on CUDA (CUDA graphs: one launch per step) and, on the CPU, inductor with `freezing` (the
-    weights become constants it prepacks: SmolLM2, fp32, a 2-core AVX2 AMD EPYC, the compiled AR
-    step 0.91x eager with it, 1.09x without; results/SPEED.md): so compile after the weights are
-    final, and again if they change. Prefills (any length) stay eager. The arithmetic is the
-    eager step's, fused: in fp32 it may round apart (tests/test_compile.py measures how far); in
-    bf16 the row-invariance tiles are in the graph."""
+    on CUDA (CUDA graphs: one launch per step) and inductor's default on the CPU, where the
+    matmuls of packed weights stay the eager step's oneDNN calls (op mars::packed_linear, which
+    inductor keeps opaque) and inductor fuses the rest; the cache is written in place
+    (KVCache.write's index_put_, no copy of it). (`options={"freezing": True}` of torch 2.13 left
+    the graph as it was here, and inductor's own fp32 prepacking, MKL's, is slower than
+    oneDNN's at 9 rows: not used.) Prefills (any length) stay eager. The arithmetic is the eager
+    step's, fused: in fp32 it may round apart (tests/test_compile.py measures how far); in bf16
+    the row-invariance tiles are in the graph."""
     device = next(model.parameters()).device
     row_tile(device)  # asked before tracing: the CPU check is no graph to compile
-    if device.type == "cpu" and mode is None:  # the weights as constants: inductor prepacks them
-        options = {"freezing": True}
-        model.compiled_hidden = torch.compile(static_hidden, dynamic=False, options=options)
-    else:
-        model.compiled_hidden = torch.compile(static_hidden, mode=mode or "reduce-overhead", dynamic=False)
+    model.compiled_hidden = torch.compile(static_hidden, dynamic=False,
+                                          mode=mode or ("reduce-overhead" if device.type == "cuda" else None))
     return model
 
 

@@ -11,13 +11,14 @@ logits stay within a bound measured here, and a 64-token decode after the warm-u
 graph. The models are tiny so that compiling stays a few seconds a graph.
 """
 
+import pytest
 import torch
 
 import model as model_py
 from exact import generate_exact
 from generate import generate, generate_ar
 from kvcache import KVCache
-from model import Qwen2, Qwen2Config, compile_decoding, init_weights
+from model import Linear, Qwen2, Qwen2Config, compile_decoding, init_weights, pack_for_decoding
 
 MASK = 63
 
@@ -77,14 +78,19 @@ COMPILED_LOGITS_ATOL = 2e-5
 
 
 @torch.no_grad()
-def test_compiled_decoders_give_the_eager_tokens_and_never_recompile():
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_decoders_give_the_eager_tokens_and_never_recompile(packed):
     """float32, inductor: the compiled AR and exact K = 2 decoders give the eager tokens on a ragged
     batch (the model's argmax margins are far above the bound below, checked), one compiled
     step's logits are within COMPILED_LOGITS_ATOL of the eager step's, and a 64-token decode
-    after the warm-up builds no new graph."""
+    after the warm-up builds no new graph. Packed: the weights as the decoders open them
+    (model.pack_for_decoding), which a compiled step reads through the op mars::packed_linear."""
     import torch._dynamo
 
     model = tiny(torch.float32, seed=1)
+    if packed:
+        pack_for_decoding(model)
+        assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
     prompts = ragged(seed=1)
     eager_ar = [g.ids for g in generate_ar(model, prompts, 64)]
     eager_ex = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=64,
@@ -134,3 +140,18 @@ def test_a_compiled_step_reads_no_length_back():
     cache.lengths = torch.tensor([3, 5]).as_subclass(NoReadBack)
     cache.begin(4)
     assert cache.span == cache.k.shape[3] and cache.at is None
+
+
+@torch.no_grad()
+def test_the_packed_op_reads_the_packed_copy_while_the_weight_is_unchanged():
+    """mars::packed_linear (what a compiled step calls for a packed Linear) reads the module's
+    packed copy, and F.linear once the weight changed in place: shown with a copy packed from
+    zeros under the weight's key (the bias alone where it is read)."""
+    torch.manual_seed(0)
+    lin, x = Linear(16, 8), torch.randn(3, 16)
+    pack_for_decoding(lin)
+    lin.packed = (lin.packed[0], torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16), 8))
+    assert torch.equal(model_py.packed_linear(x, lin.weight, lin.bias, lin.slot), lin.bias.expand(3, 8))
+    lin.weight.mul_(2)  # an in-place change: the packed copy is stale
+    assert torch.equal(model_py.packed_linear(x, lin.weight, lin.bias, lin.slot),
+                       torch.nn.functional.linear(x, lin.weight, lin.bias))
