@@ -110,10 +110,11 @@ class KVCache:
         else:  # row b's tokens to its own slots, by one index_put_ on the whole cache: a compiled
             # step does that in place (a scatter_ into one layer's view made it copy the cache)
             N, nkv, device = k_new.shape[0], k_new.shape[1], k_new.device
-            at = (torch.full((1, 1, 1), layer, device=device), torch.arange(N, device=device)[:, None, None],
-                  torch.arange(nkv, device=device)[None, None], self.slots[..., None])  # -> (N, T, nkv)
-            self.k.index_put_(at, k_new.transpose(1, 2))  # the indexed part is (N, T, nkv, hd)
-            self.v.index_put_(at, v_new.transpose(1, 2))
+            where = (torch.full((1, 1, 1), layer, device=device),  # layer, row, kv head, slot -> (N, T, nkv)
+                     torch.arange(N, device=device)[:, None, None],
+                     torch.arange(nkv, device=device)[None, None], self.slots[..., None])
+            self.k.index_put_(where, k_new.transpose(1, 2))  # the indexed part is (N, T, nkv, hd)
+            self.v.index_put_(where, v_new.transpose(1, 2))
         return self.k[layer, :, :, :self.span], self.v[layer, :, :, :self.span]
 
     def commit(self, n):

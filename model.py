@@ -197,9 +197,16 @@ class Linear(nn.Linear):
                 and x.numel() <= self.packed_max_rows * x.shape[-1]:
             if torch.compiler.is_compiling():  # one opaque call in the graph (inductor cannot trace oneDNN's)
                 return packed_linear(x, self.weight, self.bias, self.slot)
-            if p[0] == _weight_key(self.weight):
-                return torch.ops.mkldnn._linear_pointwise(x, p[1], self.bias, "none", [], "")
+            return from_packed(p, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def from_packed(packed, x, weight, bias):
+    """x @ weight.T + bias from `packed` (a Linear's packed copy, or None), or F.linear if `weight`
+    is not the one it was packed from (another storage, or changed in place since)."""
+    if packed is None or packed[0] != _weight_key(weight):
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
 
 
 _SLOTS = itertools.count()
@@ -212,9 +219,7 @@ def _packed_linear(x, weight, bias, slot):
     the packed copy of Linear PACKED[slot], or F.linear if `weight` is not the one it was packed
     from. A plain library op: torch.library.custom_op's wrapper costs ~100 us a call."""
     m = PACKED.get(slot)
-    if m is None or m.packed is None or m.packed[0] != _weight_key(weight):
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, m.packed[1], bias, "none", [], "")
+    return from_packed(None if m is None else m.packed, x, weight, bias)
 
 
 _LIB = torch.library.Library("mars", "DEF")
