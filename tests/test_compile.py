@@ -155,3 +155,4 @@ def test_the_packed_op_reads_the_packed_copy_while_the_weight_is_unchanged():
     lin.weight.mul_(2)  # an in-place change: the packed copy is stale
     assert torch.equal(model_py.packed_linear(x, lin.weight, lin.bias, lin.slot),
                        torch.nn.functional.linear(x, lin.weight, lin.bias))
+

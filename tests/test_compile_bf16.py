@@ -1,0 +1,59 @@
+"""Exact mode's guarantee in the compiled path (issues 39 and 40): in bf16 a compiled decoding step
+keeps the row invariance that makes exact mode bf16 AR (model.py, "Row invariance"), on this
+machine's kernels and, by construction, on kernels that compute another function at every shape.
+Apart from tests/test_compile.py so that the two files' compile times fall on the two workers."""
+
+import pytest
+import torch
+import torch._dynamo
+from test_bf16 import MASK, SMALL, ShapeDependentKernels, differing, prompts_of, tiny_bf16
+
+import model as model_py
+from exact import generate_exact
+from generate import generate_ar
+from model import compile_decoding
+
+
+def three_decoders(model, prompts, new, mask_id):
+    """AR in a batch (the reference: tests/test_bf16.py's `differing` compares with it), AR on
+    each prompt alone and exact mode K = 2 on the batch: three graphs -> {name: replies},
+    exact mode's tokens per forward."""
+    exact = generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=new, mask_id=mask_id)
+    out = {"AR batch": [g.ids for g in generate_ar(model, prompts, new)],
+           "AR alone": [generate_ar(model, [p], new)[0].ids for p in prompts],
+           "exact K=2 batch": [g.ids for g in exact]}
+    return out, sum(len(g.ids) for g in exact) / sum(g.forwards for g in exact)
+
+
+@torch.no_grad()
+def test_compiled_exact_mode_in_bf16_is_compiled_bf16_ar():
+    """Exact mode's guarantee in the compiled path (bf16, this machine's kernels, inductor): with
+    the step compiled, AR alone and exact mode K = 2 in a batch give AR's tokens in the batch,
+    token for token. Each is its own graph (4, 1 and 4 x 9 rows): the row-invariance tiles
+    (model.py) must survive fusion. Drafts are accepted (the verification path runs): a
+    16-token vocabulary and SmolLM2's widths, as tests/test_bf16.py has them eagerly."""
+    torch.set_num_threads(2)
+    out, tpf = three_decoders(compile_decoding(tiny_bf16(seed=2, layers=1)), prompts_of(2), 24, MASK)
+    assert differing(out) == []
+    assert tpf > 1.05  # drafts accepted: the verification path ran
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tiles", [True, False])
+def test_compiled_row_invariance_holds_whatever_the_kernels_do_at_each_shape(monkeypatch, tiles):
+    """The construction, compiled: with stand-in kernels that compute another function at every
+    shape of call (tests/test_bf16.py's ShapeDependentKernels, traced into the graph), the
+    compiled exact mode K = 2 in a batch and AR alone equal AR in the batch, because
+    every matmul and attention call of a bf16 step has one shape. The proof can fail: with the
+    rows as they come (no tiles), the same compiled decoders differ."""
+    torch._dynamo.reset()  # the stand-ins are new code: no graph of another test may be reused
+    ShapeDependentKernels(monkeypatch)
+    if not tiles:
+        monkeypatch.setattr(model_py, "in_tiles", lambda f, x, n: f(x))
+        monkeypatch.setattr(model_py, "attend_tiled", model_py.attend)
+    model = compile_decoding(tiny_bf16(2, packed=False, width=SMALL, std=0.2))
+    out, tpf = three_decoders(model, prompts_of(2, n=3), 16, MASK)
+    assert (differing(out) == []) == tiles
+    assert tpf > 1.05
+    torch._dynamo.reset()
+
