@@ -13,6 +13,7 @@ graph. The models are tiny so that compiling stays a few seconds a graph.
 
 import pytest
 import torch
+import torch._dynamo
 
 import model as model_py
 from exact import generate_exact
@@ -73,6 +74,36 @@ def test_the_static_step_equals_the_growing_cache_in_float64():
     torch.testing.assert_close(logits[1], logits[0], atol=1e-12, rtol=0)
 
 
+
+@torch.no_grad()
+def test_compiled_sampled_decoders_draw_the_eager_tokens_in_float64():
+    """Sampling through the compiled step: every decoder (AR, exact K = 2, the τ loop with the
+    window and the block cache) at temperature 0.8 with top-k and top-p, row generators seeded
+    alike, draws with the step compiled (inductor) the tokens it draws eagerly. In float64 the
+    compiled logits are the eager ones to ~1e-15, so a draw could only differ on a boundary
+    that close; a sampled decode is where `--compile` must change nothing but the speed."""
+    from sampling import Sampling
+
+    model = tiny(torch.float64, seed=3)
+    prompts = ragged(seed=3)
+    s = Sampling(temperature=0.8, top_k=20, top_p=0.95, seed=5)
+
+    def draws():
+        kw = dict(block_size=4, max_new_tokens=16, mask_id=MASK, sampling=s)
+        out = {"AR": [g.ids for g in generate_ar(model, prompts, 16, sampling=s)],
+               "exact K=2": [g.ids for g in generate_exact(model, prompts, drafts=2, **kw)]}
+        for cache in ("window", "block"):
+            out[cache] = [g.ids for g in generate(model, prompts, tau=0.4, cache=cache, block_cache_size=6,
+                                                  **kw)]
+        return out
+
+    eager = draws()
+    built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compile_decoding(model)
+    assert draws() == eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= built + 4  # each decoder's step compiled
+    assert eager["AR"] != [g.ids for g in generate_ar(model, prompts, 16)]  # the draws are not greedy
+
 # measured 1.7e-6 (logits of size ~3) on a 2-core AMD EPYC with AVX2 only, torch 2.13, inductor: ~11x margin
 COMPILED_LOGITS_ATOL = 2e-5
 
@@ -85,8 +116,6 @@ def test_compiled_decoders_give_the_eager_tokens_and_never_recompile(packed):
     step's logits are within COMPILED_LOGITS_ATOL of the eager step's, and a 64-token decode
     after the warm-up builds no new graph. Packed: the weights as the decoders open them
     (model.pack_for_decoding), which a compiled step reads through the op mars::packed_linear."""
-    import torch._dynamo
-
     model = tiny(torch.float32, seed=1)
     if packed:
         pack_for_decoding(model)

@@ -300,6 +300,7 @@ def cli_runs(cli_ckpt):
     cases = {"ok": ["--ckpt", ckpt, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--mask-id",
                     str(MASK), "--tau", "1", "--block-size", "4", "--max-new-tokens", "12", "--json",
                     "--dtype", "float32"]}  # the reference is fp32, whatever `auto` picks on this CPU
+    cases["compiled"] = cases["ok"] + ["--compile"]
     for name, (override, _) in BAD_INPUT.items():
         args = {"--ckpt": ckpt, "--prompt-ids": "5,17,99", "--mask-id": str(MASK)}
         args.update(zip(override[::2], override[1::2]))
@@ -318,6 +319,16 @@ def test_cli_prompt_ids_json_without_tokenizer(cli_ckpt, cli_runs):
     out = json.loads(stdout)
     ref = cli_ckpt[1]
     assert out["ids"] == ref and out["forwards"] == len(ref)  # stopped at config.json's EOS
+
+
+def test_cli_compile_gives_the_same_reply(cli_ckpt, cli_runs):
+    """generate.py --compile (the step compiled by inductor, the first reply paying the compile):
+    HF's greedy reply and forward count, as without the flag (cli_ckpt's near-tie guard, 1e-4,
+    is 5x the compiled step's bound, tests/test_compile.py's COMPILED_LOGITS_ATOL)."""
+    rc, stdout, stderr = cli_runs["compiled"]
+    assert rc == 0, stderr
+    out = json.loads(stdout)
+    assert out["ids"] == cli_ckpt[1] and out["forwards"] == len(cli_ckpt[1])
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
