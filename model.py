@@ -327,18 +327,25 @@ def in_tiles(f, x, n):
     return torch.cat([f(t) for t in x.split(n)])[:M]
 
 
+def tiled_mask(mask, g, dtype):
+    """attend_tiled's mask, made once per forward for every layer: mask (N, 1, T, S) bool ->
+    (N, 1, n, S) in `dtype`, row j*T + t the mask of query t (for each of the g query heads
+    that share a kv head), n = g*T rounded up to QUERY_TILE rows; 0 where a row may attend and
+    -inf elsewhere, the additive mask sdpa makes of a bool one (so the same arithmetic)."""
+    N, _, T, S = mask.shape
+    rows = padded(mask.repeat(1, 1, g, 1), -(-g * T // QUERY_TILE) * QUERY_TILE, 2)
+    return torch.zeros(rows.shape, dtype=dtype, device=mask.device).masked_fill(~rows, float("-inf"))
+
+
 def attend_tiled(q, k, v, mask, scale):
     """`attend` at one shape per call (LOW_PRECISION decoding over a KV cache, see above): q (N,
-    nh, T, hd) over the whole cache k, v (N, nkv, S, hd), mask (N, 1, T, S). The g query heads
-    that share a kv head become query rows of that head (grouped-query attention without
-    copying K/V), and those g*T rows go to sdpa QUERY_TILE at a time."""
+    nh, T, hd) over the whole cache k, v (N, nkv, S, hd), mask (N, 1, n, S) from `tiled_mask`.
+    The g query heads that share a kv head become query rows of that head (grouped-query
+    attention without copying K/V), and those g*T rows go to sdpa QUERY_TILE at a time."""
     N, nh, T, hd = q.shape
-    nkv, S = k.shape[1], k.shape[2]
+    nkv, n = k.shape[1], mask.shape[2]
     g = nh // nkv
-    rows = q.reshape(N, nkv, g * T, hd)  # row j*T + t: query t of head kv*g + j
-    mask = mask.expand(N, 1, T, S).repeat(1, 1, g, 1)  # (N, 1, g*T, S): each row its query's mask
-    n = -(-g * T // QUERY_TILE) * QUERY_TILE
-    rows, mask = padded(rows, n, 2), padded(mask, n, 2)
+    rows = padded(q.reshape(N, nkv, g * T, hd), n, 2)  # row j*T + t: query t of head kv*g + j
     y = torch.cat([F.scaled_dot_product_attention(rows[:, :, i:i + QUERY_TILE], k, v, scale=scale,
                                                   attn_mask=mask[:, :, i:i + QUERY_TILE])
                    for i in range(0, n, QUERY_TILE)], 2)  # (N, nkv, n, hd)
@@ -463,6 +470,9 @@ class Qwen2(nn.Module):
             if cache is not None:
                 position_ids = position_ids + cache.lengths[:, None]
         mask = build_mask(T, attn_mask, cache)
+        if cache is not None and cache.fixed_shapes:  # row invariance: attend_tiled's mask
+            mask = tiled_mask(mask, self.config.num_attention_heads // self.config.num_key_value_heads,
+                              cache.k.dtype)
         x = self.model.embed_tokens(idx)  # (N, T, C)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         for layer in self.model.layers:

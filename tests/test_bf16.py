@@ -341,6 +341,7 @@ def test_the_same_kernels_break_a_decode_whose_shapes_vary(monkeypatch):
     ShapeDependentKernels(monkeypatch)
     monkeypatch.setattr(model_py, "in_tiles", lambda f, x, n: f(x))
     monkeypatch.setattr(model_py, "attend_tiled", model_py.attend)
+    monkeypatch.setattr(model_py, "tiled_mask", lambda mask, g, dtype: mask)
     out, _ = decodes(tiny_bf16(2, packed=False, width=SMALL, std=0.2), prompts_of(2, n=3), max_new=16)
     assert differing(out) != []
 

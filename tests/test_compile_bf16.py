@@ -51,6 +51,7 @@ def test_compiled_row_invariance_holds_whatever_the_kernels_do_at_each_shape(mon
     if not tiles:
         monkeypatch.setattr(model_py, "in_tiles", lambda f, x, n: f(x))
         monkeypatch.setattr(model_py, "attend_tiled", model_py.attend)
+        monkeypatch.setattr(model_py, "tiled_mask", lambda mask, g, dtype: mask)
     model = compile_decoding(tiny_bf16(2, packed=False, width=SMALL, std=0.2))
     out, tpf = three_decoders(model, prompts_of(2, n=3), 16, MASK)
     assert (differing(out) == []) == tiles
