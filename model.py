@@ -332,7 +332,7 @@ def tiled_mask(mask, g, dtype):
     (N, 1, n, S) in `dtype`, row j*T + t the mask of query t (for each of the g query heads
     that share a kv head), n = g*T rounded up to QUERY_TILE rows; 0 where a row may attend and
     -inf elsewhere, the additive mask sdpa makes of a bool one (so the same arithmetic)."""
-    N, _, T, S = mask.shape
+    T = mask.shape[2]
     rows = padded(mask.repeat(1, 1, g, 1), -(-g * T // QUERY_TILE) * QUERY_TILE, 2)
     return torch.zeros(rows.shape, dtype=dtype, device=mask.device).masked_fill(~rows, float("-inf"))
 
