@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from kvcache import KVCache
+from kvcache import KVCache, round_up
 from util.atomic import atomic_write, write_json
 from util.files import BadFileError, check_fields, open_safetensors, read_json_object
 from util.precision import LOW_PRECISION, cpu_bf16_units, dtype_name, onednn_packs_bf16
@@ -333,8 +333,8 @@ def tiled_mask(mask, g, dtype):
     that share a kv head), n = g*T rounded up to QUERY_TILE rows; 0 where a row may attend and
     -inf elsewhere, the additive mask sdpa makes of a bool one (so the same arithmetic)."""
     T = mask.shape[2]
-    rows = padded(mask.repeat(1, 1, g, 1), -(-g * T // QUERY_TILE) * QUERY_TILE, 2)
-    return torch.zeros(rows.shape, dtype=dtype, device=mask.device).masked_fill(~rows, float("-inf"))
+    allowed = padded(mask.repeat(1, 1, g, 1), round_up(g * T, QUERY_TILE), 2)  # (N, 1, n, S) bool
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, float("-inf"))
 
 
 def attend_tiled(q, k, v, mask, scale):
@@ -343,8 +343,9 @@ def attend_tiled(q, k, v, mask, scale):
     The g query heads that share a kv head become query rows of that head (grouped-query
     attention without copying K/V), and those g*T rows go to sdpa QUERY_TILE at a time."""
     N, nh, T, hd = q.shape
-    nkv, n = k.shape[1], mask.shape[2]
+    nkv, n = k.shape[1], mask.shape[2]  # n: g*T query rows, padded to whole tiles by tiled_mask
     g = nh // nkv
+    assert mask.dtype != torch.bool and n == round_up(g * T, QUERY_TILE), "the mask is tiled_mask's"
     rows = padded(q.reshape(N, nkv, g * T, hd), n, 2)  # row j*T + t: query t of head kv*g + j
     y = torch.cat([F.scaled_dot_product_attention(rows[:, :, i:i + QUERY_TILE], k, v, scale=scale,
                                                   attn_mask=mask[:, :, i:i + QUERY_TILE])
@@ -617,14 +618,16 @@ def compile_decoding(model: Qwen2, mode: str | None = None) -> Qwen2:
     the graph as it was here, and inductor's own fp32 prepacking, MKL's, is slower than
     oneDNN's at 9 rows: not used.) Prefills (any length) stay eager. The arithmetic is the eager
     step's, fused: in fp32 it may round apart (tests/test_compile.py measures how far); in bf16
-    the row-invariance tiles are in the graph, and `emulate_precision_casts` keeps every bf16
-    rounding of the eager step that fusion would drop (SmolLM2, 12 prompts, 48 tokens, AMD EPYC
-    with AVX512-BF16: 10/12 replies = eager with it, 8/12 without; results/SPEED.md)."""
+    the row-invariance tiles are in the graph. On the CPU, `emulate_precision_casts` keeps the
+    eager step's roundings to bf16 between ops that fusion would otherwise skip (the fp32
+    arithmetic in between may still differ; SmolLM2, 12 prompts, 48 tokens, AMD EPYC with
+    AVX512-BF16: 10/12 replies = eager with it, 8/12 without; results/SPEED.md). Not on CUDA,
+    where it also turns off Triton's fused multiply-adds, unmeasured there."""
     device = next(model.parameters()).device
     row_tile(device)  # asked before tracing: the CPU check is no graph to compile
     mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
     # torch.compile takes a mode or options, not both: the mode's options, and ours
-    options = dict(torch._inductor.list_mode_options(mode), emulate_precision_casts=True)
+    options = dict(torch._inductor.list_mode_options(mode), emulate_precision_casts=device.type == "cpu")
     model.compiled_hidden = torch.compile(static_hidden, dynamic=False, options=options)
     return model
 

@@ -172,26 +172,31 @@ def test_a_bf16_linear_row_is_the_same_alone_or_among_rows(threads):
 
 def bf16_matmul_bound(x, lin):
     """How far a bf16 matmul with fp32 accumulation may be from the float64 product of the same
-    bf16 values (x and lin's weight and bias), elementwise -> (float64 product, bound): the
-    final rounding to bf16 (at most one bf16 spacing of the product: 8 significant bits) plus
-    the classical bound of an n-term fp32 sum in any order, n 2^-24 sum_i |x_i w_i| (+ |b|)."""
+    bf16 values (x and lin's weight and bias), elementwise -> (float64 product, bound). The
+    products of two bf16 values are exact in fp32; their fp32 sum (n additions, the bias
+    included, in any order) is off by at most E = gamma_n sum_i |x_i w_i| (+ |b|), gamma_n =
+    n u / (1 - n u), u = 2^-24 (the classical bound); rounding that sum to bf16 (8 significant
+    bits) moves it by at most one bf16 spacing at |product| + E. Bound: E + that spacing."""
     x, w = x.double(), lin.weight.double()
     b = None if lin.bias is None else lin.bias.double()
     exact = torch.nn.functional.linear(x, w, b)
     size = torch.nn.functional.linear(x.abs(), w.abs(), None if b is None else b.abs())
-    spacing = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)
-    return exact, spacing + x.shape[-1] * 2.0 ** -24 * size
+    n, u = x.shape[-1] - (b is None), 2.0 ** -24
+    err = n * u / (1 - n * u) * size
+    spacing = torch.ldexp(torch.ones_like(exact), torch.frexp(exact.abs() + err)[1] - 8)
+    return exact, err + spacing
 
 
 @torch.no_grad()
 def test_packed_bf16_is_a_bf16_matmul_and_as_accurate_as_hf_bf16(tmp_path):
-    """The packed bf16 weights (what decoding runs): (1) every packed Linear of a model, at 1, 5
-    and 18 rows, is a bf16 matmul: each output within `bf16_matmul_bound` of the float64 product
-    of the same bf16 values (the rule written out, whatever the kernel's summation order: on a
-    2-core AMD EPYC every output was within one bf16 spacing at its own level and capped to
-    AVX512_CORE and AVX2); (2) the packed forward (prompt, steps of 1 and 5 rows) is off the
-    fp32 forward by at most 1.25x HF bf16's error, as the unpacked model is (a bf16 forward is
-    off by ~0.1 on logits of size ~5: test_model.test_bf16_matches_hf_bf16 explains why)."""
+    """The packed bf16 weights (what decoding runs): (1) every packed Linear of a model (F.linear
+    where oneDNN does not pack bf16), at 1, 5 and 18 rows, is a bf16 matmul: each output within
+    `bf16_matmul_bound` of the float64 product of the same bf16 values (the rule written out,
+    whatever the kernel's summation order: on a 2-core AMD EPYC every output was within one bf16
+    spacing at its own level and capped to AVX512_CORE and AVX2); (2) the packed forward
+    (prompt, steps of 1 and 5 rows) is off the fp32 forward by at most 1.25x HF bf16's error, as
+    the unpacked model is (a bf16 forward is off by ~0.1 on logits of size ~5:
+    test_model.test_bf16_matches_hf_bf16 explains why)."""
     hf = make_hf_model(tmp_path, num_hidden_layers=3, hidden_size=128, intermediate_size=1536,
                        tie_word_embeddings=False)
     idx = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
