@@ -43,6 +43,25 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """The test compiles from nothing (tests of torch.compile: `pytestmark`): graphs of earlier
+    tests' models and kernels would count against dynamo's recompile limit (8 per function),
+    past which a step silently runs eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def graphs_built():
+    """Graphs torch.compile has built in this process so far (each compile of a new shape)."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 @contextlib.contextmanager
 def hf_float64(*models):
     """Run transformers models in float64 end to end (converted in place), for the proofs whose

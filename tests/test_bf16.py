@@ -187,6 +187,12 @@ def bf16_matmul_bound(x, lin):
     return exact, err + spacing
 
 
+def is_bf16_matmul(lin, x):
+    """Whether every output of lin(x) is within `bf16_matmul_bound` of the float64 product."""
+    exact, bound = bf16_matmul_bound(x, lin)
+    return bool(((lin(x).double() - exact).abs() <= bound).all())
+
+
 @torch.no_grad()
 def test_packed_bf16_is_a_bf16_matmul_and_as_accurate_as_hf_bf16(tmp_path):
     """The packed bf16 weights (what decoding runs): (1) every packed Linear of a model (F.linear
@@ -210,8 +216,7 @@ def test_packed_bf16_is_a_bf16_matmul_and_as_accurate_as_hf_bf16(tmp_path):
         if isinstance(lin, Linear):
             for rows in (1, 5, 18):
                 x = torch.randn(rows, lin.weight.shape[1], generator=g).to(torch.bfloat16)
-                exact, bound = bf16_matmul_bound(x, lin)
-                assert ((lin(x).double() - exact).abs() <= bound).all(), (name, rows)
+                assert is_bf16_matmul(lin, x), (name, rows)
     outs = {}
     for name, m in (("plain", plain), ("packed", packed)):  # the prompt, then steps of 1 and 5 rows
         cache = KVCache.for_model(m, 1, 24)
@@ -353,7 +358,7 @@ def test_the_same_kernels_break_a_decode_whose_shapes_vary(monkeypatch):
 
 ISA_CHECK = """
 import torch
-from tests.test_bf16 import tiny_bf16, prompts_of, decodes, differing, bf16_matmul_bound
+from tests.test_bf16 import tiny_bf16, prompts_of, decodes, differing, is_bf16_matmul
 from model import Linear, pack_for_decoding
 torch.set_num_threads(2)
 out, tpf = decodes(tiny_bf16(1), prompts_of(1, n=3), max_new=16, Ks=(2,))
@@ -361,8 +366,7 @@ lin = pack_for_decoding(torch.nn.Sequential(Linear(1536, 576).to(torch.bfloat16)
 x = torch.randn(40, 1536).to(torch.bfloat16)
 with torch.no_grad():
     rows = all(torch.equal(lin(x[r:r + 1]), lin(x)[r:r + 1]) for r in range(40))
-    exact, bound = bf16_matmul_bound(x, lin)
-    matmul = bool(((lin(x).double() - exact).abs() <= bound).all())
+    matmul = is_bf16_matmul(lin, x)
 print(differing(out), rows, tpf > 1.05, matmul)
 """
 

@@ -13,28 +13,19 @@ graph. The models are tiny so that compiling stays a few seconds a graph.
 
 import pytest
 import torch
-import torch._dynamo
+from conftest import graphs_built
 
 import model as model_py
 from exact import generate_exact
 from generate import generate, generate_ar
 from kvcache import KVCache
 from model import Linear, Qwen2, Qwen2Config, compile_decoding, init_weights, pack_for_decoding
+from sampling import Sampling
 
 MASK = 63
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from nothing: graphs of earlier tests' models would count against
-    dynamo's recompile limit (8 per function), past which a step silently runs eagerly."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 def tiny(dtype, seed=0):
@@ -87,7 +78,6 @@ def test_the_static_step_equals_the_growing_cache_in_float64():
     torch.testing.assert_close(logits[1], logits[0], atol=1e-12, rtol=0)
 
 
-
 @torch.no_grad()
 def test_compiled_sampled_decoders_draw_the_eager_tokens_in_float64():
     """Sampling through the compiled step: every decoder (AR, exact K = 2, the τ loop with the
@@ -95,8 +85,6 @@ def test_compiled_sampled_decoders_draw_the_eager_tokens_in_float64():
     alike, draws with the step compiled (inductor) the tokens it draws eagerly. In float64 the
     compiled logits are the eager ones to ~1e-15, so a draw could only differ on a boundary
     that close; a sampled decode is where `--compile` must change nothing but the speed."""
-    from sampling import Sampling
-
     model = tiny(torch.float64, seed=3)
     prompts = ragged(seed=3)
     s = Sampling(temperature=0.8, top_k=20, top_p=0.95, seed=5)
@@ -111,11 +99,12 @@ def test_compiled_sampled_decoders_draw_the_eager_tokens_in_float64():
         return out
 
     eager = draws()
-    before = graphs()
+    before = graphs_built()
     compile_decoding(model)
     assert draws() == eager
-    assert graphs() >= before + 4  # each decoder's step compiled
+    assert graphs_built() >= before + 4  # each decoder's step compiled
     assert eager["AR"] != [g.ids for g in generate_ar(model, prompts, 16)]  # the draws are not greedy
+
 
 # measured 1.7e-6 (logits of size ~3) on a 2-core AMD EPYC with AVX2 only, torch 2.13, inductor: ~11x margin
 COMPILED_LOGITS_ATOL = 2e-5
@@ -137,16 +126,16 @@ def test_compiled_decoders_give_the_eager_tokens_and_never_recompile(packed):
     eager_ar = [g.ids for g in generate_ar(model, prompts, 64)]
     eager_ex = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=64,
                                               mask_id=MASK)]
-    before = graphs()
+    before = graphs_built()
     compile_decoding(model)
     generate_ar(model, prompts, 4)  # warm-up: compiles the AR step of this batch
     generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=4, mask_id=MASK)
-    built = graphs()
+    built = graphs_built()
     assert built == before + 2  # the AR and the exact step, compiled (not run eagerly)
     compiled_ar = [g.ids for g in generate_ar(model, prompts, 64)]
     compiled_ex = [g.ids for g in generate_exact(model, prompts, block_size=4, drafts=2, max_new_tokens=64,
                                                  mask_id=MASK)]
-    assert graphs() == built  # no recompile
+    assert graphs_built() == built  # no recompile
     assert compiled_ar == eager_ar and compiled_ex == eager_ex == eager_ar
     # one step, compiled against eager, on the same static cache contents
     cache = KVCache.for_model(model, 3, 70)
@@ -199,4 +188,3 @@ def test_the_packed_op_reads_the_packed_copy_while_the_weight_is_unchanged():
     lin.weight.mul_(2)  # an in-place change: the packed copy is stale
     assert torch.equal(model_py.packed_linear(x, lin.weight, lin.bias, lin.slot),
                        torch.nn.functional.linear(x, lin.weight, lin.bias))
-

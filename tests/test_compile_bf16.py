@@ -5,7 +5,7 @@ Apart from tests/test_compile.py so that the two files' compile times fall on th
 
 import pytest
 import torch
-import torch._dynamo
+from conftest import graphs_built
 from test_bf16 import MASK, SMALL, ShapeDependentKernels, differing, prompts_of, tiny_bf16
 
 import model as model_py
@@ -13,17 +13,7 @@ from exact import generate_exact
 from generate import generate_ar
 from model import compile_decoding
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from nothing (no graph of another test's model or stand-in kernels)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def graphs():
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 
 def three_decoders(model, prompts, new, mask_id):
@@ -45,9 +35,9 @@ def test_compiled_exact_mode_in_bf16_is_compiled_bf16_ar():
     (model.py) must survive fusion. Drafts are accepted (the verification path runs): a
     16-token vocabulary and SmolLM2's widths, as tests/test_bf16.py has them eagerly."""
     torch.set_num_threads(2)
-    before = graphs()
+    before = graphs_built()
     out, tpf = three_decoders(compile_decoding(tiny_bf16(seed=2, layers=1)), prompts_of(2), 24, MASK)
-    assert graphs() == before + 3  # three steps, compiled
+    assert graphs_built() == before + 3  # three steps, compiled
     assert differing(out) == []
     assert tpf > 1.05  # drafts accepted: the verification path ran
 
@@ -65,13 +55,12 @@ def test_compiled_row_invariance_holds_whatever_the_kernels_do_at_each_shape(mon
         monkeypatch.setattr(model_py, "in_tiles", lambda f, x, n: f(x))
         monkeypatch.setattr(model_py, "attend_tiled", model_py.attend)
         monkeypatch.setattr(model_py, "tiled_mask", lambda mask, g, dtype: mask)
-    before = graphs()
+    before = graphs_built()
     model = compile_decoding(tiny_bf16(2, packed=False, width=SMALL, std=0.2))
     out, tpf = three_decoders(model, prompts_of(2, n=3), 16, MASK)
-    assert graphs() >= before + 3  # the stand-ins ran inside the compiled steps (more graphs: breaks)
+    assert graphs_built() >= before + 3  # the stand-ins ran inside the compiled steps (more graphs: breaks)
     assert (differing(out) == []) == tiles
     assert tpf > 1.05
     if tiles:  # every call of a step (and of the eager prefills) at the tile's shape
         assert {s[1] for s in kernels.shapes if s[0] == "matmul"} == {model_py.row_tile(torch.device("cpu"))}
         assert {s[1] for s in kernels.shapes if s[0] == "attention"} == {model_py.QUERY_TILE}
-
