@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sampling import GREEDY, Sampling, confidence, pick, row_generators
+from sampling import GREEDY, Sampling, argmax, confidence, pick, row_generators
 
 
 @dataclass
@@ -121,7 +121,7 @@ def candidates(logits, sampling=GREEDY, gens=None, ar=False):
     c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR draw
     rest = logits[:, 1:]  # (N, n-1, V)
     greedy = ar or sampling.greedy or rest.shape[1] == 0
-    c = torch.cat([c0, rest.float().argmax(-1) if greedy else pick(rest, sampling, gens)], 1)  # (N, n)
+    c = torch.cat([c0, argmax(rest) if greedy else pick(rest, sampling, gens)], 1)  # (N, n)
     if ar:  # AR mode accepts c_0 alone: no confidence is read (and no softmax over V computed)
         return c, None
     return c, confidence(logits, c, sampling.accept_metric)

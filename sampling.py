@@ -5,6 +5,8 @@ decoders (generate.py, exact.py) call these on the logits they read.
   Sampling(temperature, top_k, top_p, seed, accept_metric)   the settings (frozen, checked)
   processed_probs(logits, s)   temperature, then top-k, then top-p, then softmax: exactly
                                Hugging Face's warpers, in HF's order, >= 1 token kept
+  argmax(logits)               the float32 argmax, first index on ties (torch.argmax's
+                               answer), by block maxima on the CPU: its argmax is slow
   pick(logits, s, gens)        temperature 0: argmax (the greedy rule of §5.2, unchanged);
                                else one draw from processed_probs
   confidence / confident       the number compared with τ (§5.3-4) and the comparison
@@ -84,6 +86,28 @@ def row_generators(seed, n_rows, device):
     return [torch.Generator(device=device).manual_seed(seed + b) for b in range(n_rows)]
 
 
+# ---------------------------------------------------------------- the greedy token
+def argmax(logits, width=128):
+    """torch.argmax(logits.float(), -1): the index of the largest entry, the first one on
+    ties, NaN counted as the largest (as torch's), whatever the device.
+
+    On the CPU torch's argmax kernel is not vectorised, while its max is: for 9 x 49,152
+    logits (an exact K = 2 step on SmolLM2) argmax takes 210 µs and this 45 (AMD EPYC, 2
+    threads; results/SPEED.md). So there it reads the vocabulary in blocks of `width`: the
+    maximum of each block (amax, which keeps NaN), the first block whose maximum is the
+    largest, and the first largest inside that block, which is the first largest of all.
+    Proved equal to torch.argmax on ties, NaN, infinities and signed zeros in
+    tests/test_sampling.py."""
+    x = logits.float()
+    V = x.shape[-1]
+    if x.device.type != "cpu" or V % width or x.numel() == 0:  # on a GPU argmax is fast
+        return x.argmax(-1)
+    blocks = x.unflatten(-1, (V // width, width))  # (..., V/width, width)
+    first = blocks.amax(-1).argmax(-1, keepdim=True)  # (..., 1): the block of the first largest
+    inside = blocks.gather(-2, first[..., None].expand(*first.shape, width))[..., 0, :]  # (..., width)
+    return first[..., 0] * width + inside.argmax(-1)
+
+
 # ---------------------------------------------------------------- the distribution
 def processed_probs(logits, s):
     """logits (..., V) -> float32 probabilities (..., V) after temperature, top-k, top-p.
@@ -94,7 +118,7 @@ def processed_probs(logits, s):
     limit; first index on ties, like argmax): the greedy rule as a distribution."""
     x = logits.float()
     if s.greedy:
-        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(x).scatter_(-1, argmax(x)[..., None], 1.0)
     if s.temperature != 1.0:  # HF adds the warper only when temperature != 1
         x = x / s.temperature
     if s.top_k > 0:  # drop what is below the k-th largest score; ties with it stay
@@ -130,7 +154,7 @@ def pick(logits, s, gens=None):
     draw from processed_probs: with per-row generators, one multinomial per row over that
     row's positions, from the row's own stream, whatever the other rows are."""
     if s.greedy:
-        return logits.float().argmax(-1)
+        return argmax(logits)
     return categorical(processed_probs(logits, s), gens)
 
 
@@ -173,7 +197,7 @@ def sample_drafts(logits, s, gens=None, threshold=0.0):
     computed). The cut reads the position's distribution, never the drawn d, so it cannot
     bias the drafts (a cut on p(d_i) would make the kept d_i follow q restricted, not q);
     at temperature 0 d is that argmax, so it is exact.py's greedy cut unchanged."""
-    top = logits.float().argmax(-1)  # (N, g)
+    top = argmax(logits)  # (N, g)
     n = torch.full(top.shape[:1], top.shape[1], dtype=torch.long, device=top.device)  # (N,)
     if threshold > 0:  # raw prob of each argmax
         n = (confidence(logits, top) >= threshold).long().cumprod(1).sum(1)

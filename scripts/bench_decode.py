@@ -4,9 +4,10 @@ On one checkpoint, in one run, for each batch size and each --dtype (comma-separ
 and bfloat16 side by side by default, each with its weights packed for oneDNN): our AR decoder
 (generate.ar_decode), the τ-gated loop with the window cache (generate.mars_decode, docs/spec.md
 §5-§6) and exact mode for each K (exact.exact_steps), all greedy. The decoders run interleaved
-(each dtype's AR, τ, exact K=1, ..., then again), after one untimed warm-up round, on prompt r
-of the chat questions in round r, so a busy machine slows them alike; each number is the
-median over the rounds of one round's value.
+step by step (one forward of each dtype's AR, τ, exact K=1, ..., then the next forward of each),
+in rounds after one untimed warm-up round, on prompt r of the chat questions in round r, so a
+machine that slows down or speeds up slows them alike; each number is the median over the
+rounds of one round's value.
 
   ms/fwd     seconds per forward, the prefill excluded (the mean over a run's later steps)
   x AR       that, over the same round's AR value: what a step costs in AR steps
@@ -73,13 +74,19 @@ def decoders(args, model, mask_id, eos_ids):
 
 
 def compiled_run(model, step, dec):
-    """dec with the model's decoding step compiled while it runs (eager again after)."""
+    """dec with the model's decoding step compiled while each of its steps runs (eager between
+    them, when the other decoders step)."""
     def run(prompts):
-        model.compiled_hidden = step
-        try:
-            yield from dec(prompts)
-        finally:
-            model.compiled_hidden = None
+        steps = dec(prompts)
+        while True:
+            model.compiled_hidden = step
+            try:
+                s = next(steps, None)
+            finally:
+                model.compiled_hidden = None
+            if s is None:
+                return
+            yield s
     return run
 
 
@@ -88,20 +95,31 @@ def reference(name):
     return "our AR compiled" if name.endswith(" compiled") else "our AR"
 
 
+def run_interleaved(steps, n_rows):
+    """Run step generators in lockstep, one step of each in turn until all end -> key -> what
+    run_once returns: the time of each step is taken beside the others' same step."""
+    runs = {key: dict(ids=[[] for _ in range(n_rows)], times=[], forwards=0) for key in steps}
+    live = list(steps)
+    while live:
+        for key in list(live):
+            t0 = time.perf_counter()
+            step = next(steps[key], None)
+            if step is None:
+                live.remove(key)
+                continue
+            run = runs[key]
+            run["times"].append(time.perf_counter() - t0)
+            run["forwards"] = step.forwards
+            for b, t in enumerate(step.tokens):
+                run["ids"][b] += t
+    return {key: dict(prefill=r["times"][0], steps=r["times"][1:], forwards=r["forwards"], ids=r["ids"],
+                      total=sum(r["times"])) for key, r in runs.items()}
+
+
 def run_once(steps, n_rows):
-    """Run a step generator to the end -> dict: seconds of the prefill and of every later step,
-    forwards, tokens and the generated ids per row."""
-    ids, times, forwards = [[] for _ in range(n_rows)], [], 0
-    while True:
-        t0 = time.perf_counter()
-        step = next(steps, None)
-        if step is None:
-            break
-        times.append(time.perf_counter() - t0)
-        forwards = step.forwards
-        for b, t in enumerate(step.tokens):
-            ids[b] += t
-    return dict(prefill=times[0], steps=times[1:], forwards=forwards, ids=ids, total=sum(times))
+    """Run one step generator to the end -> dict: seconds of the prefill and of every later
+    step, forwards, tokens and the generated ids per row."""
+    return run_interleaved({0: steps}, n_rows)[0]
 
 
 def summarise(run, ar, eager=None):
@@ -131,7 +149,7 @@ def bench_batch(decs, tok, model, mask_id, batch, rounds):
         if r == 1:
             warm = graphs()  # every shape of this batch size was compiled in the warm-up round
         prompts = make_prompts(tok, model.config.vocab_size, mask_id, batch + r)[r:]  # rotate the prompts
-        runs = {(dt, name): run_once(dec(prompts), batch) for dt in decs for name, dec in decs[dt].items()}
+        runs = run_interleaved({(dt, name): dec(prompts) for dt in decs for name, dec in decs[dt].items()}, batch)
         if r:
             for (dt, name), run in runs.items():
                 twin = runs[dt, name.removesuffix(" compiled")] if name.endswith(" compiled") else None
@@ -143,7 +161,7 @@ def bench_batch(decs, tok, model, mask_id, batch, rounds):
 
 def report(results, batch, rounds):
     """Print one batch size's table -> the number of exact decoders that differ from their AR."""
-    print(f"batch {batch} (median of {rounds} interleaved rounds after a warm-up)")
+    print(f"batch {batch} (median of {rounds} rounds after a warm-up, decoders interleaved step by step)")
     print(f"  {'dtype':<9} {'decoder':<33} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
           f"{'speedup':>8} {'x fp32':>7} {'x eager':>8} {'=eager':>7}")
     differ = 0

@@ -155,6 +155,24 @@ def test_compiled_decoders_give_the_eager_tokens_and_never_recompile(packed):
     assert (top2[..., 0] - top2[..., 1]).min().item() > 100 * COMPILED_LOGITS_ATOL  # no near-tie to flip
 
 
+def test_every_shape_is_compiled_past_dynamos_default_limit(monkeypatch):
+    """Each decoder, batch size and dtype is a graph of the one function model.static_hidden;
+    past dynamo's default of 8 graphs a function, a new shape would run eagerly, silently.
+    Twelve batch sizes of AR give twelve graphs (dynamo's eager backend: the guards and the
+    limit are dynamo's, and the test needs no inductor compile)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, whatever ran before
+    real = torch.compile
+    monkeypatch.setattr(model_py.torch, "compile",
+                        lambda f, dynamic, options: real(f, dynamic=dynamic, backend="eager"))
+    model = compile_decoding(tiny(torch.float32))
+    before = graphs_built()
+    for n in range(1, 13):
+        generate_ar(model, [[1, 2, 3]] * n, 2)
+    assert graphs_built() == before + 12
+
+
 def test_a_compiled_step_reads_no_length_back():
     """The static cache's `begin` syncs nothing: it never calls int() / .item() on the lengths
     (a host sync inside the step would break a CUDA graph): checked by making the lengths

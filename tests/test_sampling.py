@@ -5,6 +5,9 @@ reference, each able to fail.
     TopPLogitsWarper -> softmax, bit for bit (torch.equal: the same float32 ops in the
     same order give the same bits; no tolerance is needed, so none is allowed), on random
     logits with ties, -inf entries, k >= V, tiny and exact top-p edges, any leading shape;
+  * sampling.argmax (block maxima on the CPU) is the rule written out (the first largest,
+    NaN the largest) and torch.argmax, on ties across and inside blocks, NaN, infinities
+    and signed zeros, at every block width;
   * temperature 0: pick is `logits.float().argmax(-1)` (today's greedy rule) and uses no
     randomness; the probability confidence is `logits.float().softmax(-1).gather(c)`;
   * bad settings are ValueErrors naming the flag;
@@ -40,6 +43,7 @@ from transformers import GenerationConfig
 
 from sampling import (
     Sampling,
+    argmax,
     categorical,
     confidence,
     confident,
@@ -97,6 +101,44 @@ def test_top_p_keeps_the_smallest_set_with_enough_mass():
 
 
 # ---------------------------------------------------------------- temperature 0 is greedy
+def first_largest(row):
+    """The greedy rule written out for one row of floats: the first NaN if there is one
+    (torch counts NaN as the largest), else the first entry equal to the maximum."""
+    nans = [i for i, v in enumerate(row) if math.isnan(v)]
+    return nans[0] if nans else row.index(max(row))
+
+
+def adversarial_logits(seed, N, V):
+    """Rows built to trip a blockwise argmax: few distinct values (the largest repeated in
+    several blocks and inside one), -0.0 beside 0.0, +-inf, all -inf, NaN late and early."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 1, (N, V), generator=g).float()  # maximum 0, tied many times
+    x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    x[1] = -3.0
+    x[1, V - 1] = 0.0  # the only maximum in the last block
+    x[2] = -math.inf  # all -inf: index 0
+    x[3, V // 2] = math.inf
+    x[4, V - 2] = math.nan  # NaN after the maxima
+    x[5, 1], x[5, V - 1] = math.nan, math.nan
+    x[6] = torch.randn(V, generator=g)  # one maximum anywhere
+    return x
+
+
+@pytest.mark.parametrize("V", [128, 1024, 49152, 130])
+def test_argmax_is_the_first_largest(V):
+    for seed in range(3):
+        x = adversarial_logits(seed, 8, V)
+        want = torch.tensor([first_largest(r) for r in x.tolist()])
+        for width in (1, 2, 8, 128, V):
+            if V % width == 0:
+                assert torch.equal(argmax(x, width), want), (V, width)
+        assert torch.equal(argmax(x), want)
+        assert torch.equal(x.argmax(-1), want)  # torch's own kernel agrees with the rule
+        assert torch.equal(argmax(x.view(2, 4, V)), want.view(2, 4))  # any leading shape
+        assert torch.equal(argmax(x.bfloat16()), x.bfloat16().float().argmax(-1))
+    assert argmax(torch.zeros(0, 3, V)).shape == (0, 3)
+
+
 def test_temperature_zero_is_todays_argmax_and_uses_no_randomness():
     for dtype in (torch.float32, torch.bfloat16):
         x = random_logits(8, 40, 30, "ties").view(5, 8, 30).to(dtype)  # ties: first index wins
