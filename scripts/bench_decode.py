@@ -149,7 +149,8 @@ def bench_batch(decs, tok, model, mask_id, batch, rounds):
         if r == 1:
             warm = graphs()  # every shape of this batch size was compiled in the warm-up round
         prompts = make_prompts(tok, model.config.vocab_size, mask_id, batch + r)[r:]  # rotate the prompts
-        runs = run_interleaved({(dt, name): dec(prompts) for dt in decs for name, dec in decs[dt].items()}, batch)
+        runs = {(dt, name): dec(prompts) for dt in decs for name, dec in decs[dt].items()}
+        runs = run_interleaved(runs, batch)
         if r:
             for (dt, name), run in runs.items():
                 twin = runs[dt, name.removesuffix(" compiled")] if name.endswith(" compiled") else None

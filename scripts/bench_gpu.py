@@ -17,10 +17,15 @@ rewritten after each, so a run cut short keeps what it measured:
             estimate for configs/qwen2.5-0.5b-24gb.json
   main      python train.py --device=cuda (the toy main job): time and its accuracy lines
 
-On a machine without CUDA it says so in one line and exits 0.
+On a machine without CUDA it says so in one line and exits 0. `--dry-run` runs every section on
+the CPU instead, at a tiny shape (2 layers, width 64, Qwen2.5's vocabulary; 64-token training
+rows; the main job for 2 + 2 steps without its evaluation), to out/bench_gpu_dry_run.md: the
+script's own check before GPU time is spent on it (tests/test_bench_gpu.py runs it). Its
+numbers measure nothing.
 
     python -m scripts.bench_gpu                  # ~8 min on one H200
     python -m scripts.bench_gpu --minutes 3 --batch-sizes 1,4
+    python -m scripts.bench_gpu --dry-run        # the CPU, ~1 min
 """
 
 import argparse
@@ -41,17 +46,31 @@ from util.atomic import atomic_write
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
 MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
-DEVICE = "cuda"  # (a dry run on the CPU sets "cpu")
+DEVICE = "cuda"  # --dry-run sets "cpu"
+DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2)  # --dry-run's model shape (Qwen2.5's vocabulary, for MASK)
 
 
 def bandwidth():
+    if DEVICE == "cpu":
+        return None, "the CPU (dry run)"
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in BANDWIDTH.items() if key in name), None), name
 
 
+def config():
+    """Qwen2.5-0.5B's shape (Qwen2Config's defaults); a tiny one in a dry run."""
+    return Qwen2Config(**DRY) if DEVICE == "cpu" else Qwen2Config()
+
+
 def random_05b(seed=0):
-    """A random model of Qwen2.5-0.5B's shape (Qwen2Config's defaults) in bf16 on the GPU."""
-    return init_weights(Qwen2(Qwen2Config()), seed=seed).to(DEVICE, torch.bfloat16).eval()
+    """A random model of config()'s shape in bf16 on DEVICE."""
+    return init_weights(Qwen2(config()), seed=seed).to(DEVICE, torch.bfloat16).eval()
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def prompts(n, seed=0):
@@ -63,10 +82,10 @@ def prompts(n, seed=0):
 
 
 def timed(fn):
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0, out
 
 
@@ -162,7 +181,7 @@ def decode_section(args, out, budget):
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw, name = bandwidth()
     out["decode"] = dict(
-        model="random Qwen2.5-0.5B shape, bf16",
+        model="random Qwen2.5-0.5B shape, bf16" if DEVICE == "cuda" else "tiny random model (dry run), bf16",
         params=model.num_params(),
         weight_bytes=nbytes,
         card=name,
@@ -193,7 +212,12 @@ def decode_section(args, out, budget):
         hf_rows(model, args.batch_sizes, args.new_tokens, rows, budget)
     exact_section(out)
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
+
+
+def empty_cache():
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def alone_rows(model, step, args, out, budget):
@@ -239,24 +263,25 @@ def train_section(out, budget):
     from util.memory import estimate_memory
 
     S = parse_settings(["--config", "configs/qwen2.5-0.5b-24gb.json"])
-    cfg = Qwen2Config()
+    cfg = config()
     res = dict(
         config="configs/qwen2.5-0.5b-24gb.json",
+        shape="0.5B shape" if DEVICE == "cuda" else "tiny shape (dry run)",
         micro_batch=S.micro_batch_size,
-        row_tokens=512,
-        estimate_GiB=estimate_memory(cfg, S) / 2**30,
+        row_tokens=64 if DEVICE == "cpu" else 512,
+        estimate_GiB=estimate_memory(Qwen2Config(), S) / 2**30,
         rows=[],
     )
     for compiled in (False, True):
         for kind in ("AR", "MARS"):
             if budget.left() > (150 if compiled else 45):
-                res["rows"].append(train_one(cfg, S, kind, compiled))
-                torch.cuda.empty_cache()
+                res["rows"].append(train_one(cfg, S, kind, compiled, res["row_tokens"]))
+                empty_cache()
     out["train"] = res
 
 
-def train_one(cfg, S, kind, compiled):
-    """Warm-up step, then the fastest of 3 steps, and the peak memory of those 3."""
+def train_one(cfg, S, kind, compiled, T):
+    """Warm-up step, then the fastest of 3 steps, and the peak memory of those 3 (on CUDA)."""
     from mars import ar_loss, mars_loss
 
     model = init_weights(Qwen2(cfg), seed=0).to(DEVICE)
@@ -264,9 +289,9 @@ def train_one(cfg, S, kind, compiled):
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 150000, (S.micro_batch_size, 512), generator=g).cuda()
+    ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(DEVICE)
     labels = ids.clone()
-    labels[:, :128] = -100  # a 128-token prompt, 384 answer tokens
+    labels[:, : T // 4] = -100  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
 
     def loss_of(x, y):
         return ar_loss(model, x, y) if kind == "AR" else mars_loss(model, x, y, MASK, 4, trim_noisy=True)[0]
@@ -274,30 +299,33 @@ def train_one(cfg, S, kind, compiled):
     loss_fn = torch.compile(loss_of) if compiled else loss_of
 
     def one_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = loss_fn(ids, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     one_step()  # warm-up (compiles)
-    torch.cuda.reset_peak_memory_stats()
-    times = [timed(one_step)[0] for _ in range(3)]
-    return dict(
-        loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=torch.cuda.max_memory_allocated() / 2**30
-    )
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed(one_step)[0] for _ in range(3 if DEVICE == "cuda" else 1)]  # a dry run: 1
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
+    return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak)
 
 
 def main_job_section(out, budget):
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
+        short = ["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"]
         r = subprocess.run(
-            [sys.executable, "train.py", "--device=cuda", f"--out_dir={d}/out"],
+            [sys.executable, "train.py", f"--device={DEVICE}", f"--out_dir={d}/out"]
+            + (short if DEVICE == "cpu" else []),
             capture_output=True,
             text=True,
             timeout=max(60, budget.left()),
         )
         out["main"] = dict(
+            command=" ".join(["python"] + r.args[1:]).replace(d, "TMP"),
             seconds=time.perf_counter() - t0,
             returncode=r.returncode,
             last_lines=r.stdout.strip().splitlines()[-4:] + r.stderr.strip().splitlines()[-2:],
@@ -364,21 +392,25 @@ def page(out):
     if t:
         lines += [
             "",
-            f"## Training step: 0.5B shape, {t['micro_batch']} rows x {t['row_tokens']} tokens, bf16, "
+            f"## Training step: {t.get('shape', '0.5B shape')}, {t['micro_batch']} rows x "
+            f"{t['row_tokens']} tokens, bf16, "
             f"gradient checkpointing (estimate for {t['config']}: {t['estimate_GiB']:.1f} GiB)",
             "",
             "| loss | compiled | ms/step | peak GiB |",
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {r['loss']} | {r['compiled']} | {r['ms']:.0f} | {r['peak_GiB']:.2f} |" for r in t["rows"]
+            f"| {r['loss']} | {r['compiled']} | {r['ms']:.0f} | "
+            + (f"{r['peak_GiB']:.2f} |" if r["peak_GiB"] is not None else "- |")
+            for r in t["rows"]
         ]
     m = out.get("main")
     if m:
         lines += (
             [
                 "",
-                f"## Main job: python train.py --device=cuda: {m['seconds'] / 60:.1f} min, "
+                f"## Main job: {m.get('command', 'python train.py --device=cuda')}: "
+                f"{m['seconds'] / 60:.1f} min, "
                 f"exit {m['returncode']}",
                 "",
                 "```",
@@ -394,21 +426,36 @@ def page(out):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--minutes", type=float, default=8.0, help="time budget; sections that no longer fit are skipped"
     )
-    p.add_argument("--batch-sizes", type=ints, default=[1, 4, 16])
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--out", default="results/GPU", help="writes OUT.md and OUT.json")
+    p.add_argument("--batch-sizes", type=ints, default=None, help="default 1,4,16 (--dry-run 1,2)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--dry-run 8)")
+    p.add_argument("--out", default=None, help="writes OUT.md and OUT.json (default results/GPU; "
+                   "out/bench_gpu_dry_run with --dry-run)")
     p.add_argument("--sections", default="decode,train,main")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device here: scripts.bench_gpu measures a GPU, nothing to do")
+    p.add_argument("--dry-run", action="store_true", help="every section on the CPU at a tiny shape: "
+                   "checks the script, measures nothing")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = "cpu" if args.dry_run else "cuda"
+    args.batch_sizes = args.batch_sizes or ([1, 2] if args.dry_run else [1, 4, 16])
+    args.new_tokens = args.new_tokens or (8 if args.dry_run else 64)
+    args.out = args.out or ("out/bench_gpu_dry_run" if args.dry_run else "results/GPU")
+    unknown = set(args.sections.split(",")) - {"decode", "train", "main"}
+    if unknown:
+        print(f"--sections: unknown section(s) {', '.join(sorted(unknown))} (decode, train, main)")
+        return 2
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: scripts.bench_gpu measures a GPU, nothing to do "
+              "(--dry-run checks the script on the CPU)")
         return 0
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     budget = Budget(args.minutes, args.out)
-    out = dict(machine=machine("cuda"), skipped=[])
+    dry = " -- a dry run: these numbers measure nothing" if args.dry_run else ""
+    out = dict(machine=machine(DEVICE) + dry, skipped=[])
     sections = dict(
         decode=lambda: decode_section(args, out, budget),
         train=lambda: train_section(out, budget),

@@ -1,0 +1,66 @@
+"""scripts/bench_gpu.py runs every section it has on a machine without a GPU (`--dry-run`: the
+CPU, a tiny model), so the one GPU run a session gets is not spent on the script's own bugs.
+
+The numbers of a dry run measure nothing; what is checked is that each section ran and
+wrote its page, and the checks the script makes on the GPU: exact mode = AR and AR alone = AR
+in a batch (eager and compiled), and no graph built after a decoder's warm-up."""
+
+import json
+
+import pytest
+import torch
+
+from scripts import bench_gpu
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: it counts graphs
+
+
+def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, monkeypatch):
+    # dynamo's eager backend: the guards (and so the recompile counts) are dynamo's, the
+    # inductor compile of each shape, tested in test_compile.py, is not paid again here
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda f=None, **kw: real(f, dynamic=kw.get("dynamic"), backend="eager"))
+    out = tmp_path / "gpu"
+    rc = bench_gpu.main(["--dry-run", "--out", str(out), "--batch-sizes", "1,2", "--new-tokens", "4"])
+    assert rc == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    page = (tmp_path / "gpu.md").read_text()
+    assert "errors" not in res and res["skipped"] == [], (res.get("errors"), res["skipped"])
+    assert "dry run" in res["machine"]
+
+    rows = {(r["decoder"], r["batch"]): r for r in res["decode"]["rows"]}
+    ours = ["AR", "tau=0.95 window", "exact K=1", "exact K=2", "exact K=4"]
+    for batch in (1, 2):
+        for name in ours:
+            assert (name, batch) in rows and (name + " compiled", batch) in rows
+            assert rows[name + " compiled", batch]["recompiles_after_warmup"] == 0
+            assert rows[name + " compiled", batch]["graphs_at_warmup"] >= 1
+        for impl in ("dynamic", "static"):
+            assert (f"HF generate ({impl} cache)", batch) in rows
+    # exact mode = AR for every exact decoder at every batch, eager and compiled
+    checks = {(c["check"], c["batch"]): c for c in res["exact"]}
+    assert len(checks) == 2 * 3 * 2
+    for (_, batch), c in checks.items():
+        assert c["rows"] == batch and c["rows_equal"] == batch, c
+    alone = {(c["check"], c["batch"]): c for c in res["alone"]}
+    assert set(alone) == {("AR alone = AR in the batch", 2),
+                          ("AR compiled alone = AR compiled in the batch", 2)}
+    assert all(c["rows_equal"] == c["rows"] == 2 for c in alone.values())
+
+    assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [
+        ("AR", False), ("MARS", False), ("AR", True), ("MARS", True)]
+    assert res["main"]["returncode"] == 0, res["main"]["last_lines"]
+    for heading in ("## Decoding", "## Training step", "## Main job"):
+        assert heading in page
+
+
+def test_without_cuda_it_says_so_and_exits_0(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gpu.main([]) == 0
+    assert "no CUDA device here" in capsys.readouterr().out
+
+
+def test_an_unknown_section_is_named(capsys):
+    assert bench_gpu.main(["--dry-run", "--sections", "decode,trian"]) == 2
+    assert "trian" in capsys.readouterr().out
