@@ -12,20 +12,23 @@ rewritten after each, so a run cut short keeps what it measured:
             at batch 1, 4, 16, bf16, 64 new tokens: tokens/s, ms per step, x AR, GB/s of
             weights read against the card's bandwidth; graphs built after warm-up
             and, per batch, exact mode = AR (eager and compiled) and AR alone = AR in the batch
+  main      python train.py --device=cuda (the toy main job): time and its accuracy lines
+  toy       the main job's checkpoint decoding its test prompts: AR, τ = 0.9 window, exact
+            K = 2, eager and compiled, at each batch: trained drafts, so tokens per forward
+            show as tokens/s; exact = AR
   train     one optimizer step at the 0.5B shape, 512-token rows, gradient checkpointing,
             bf16: AR vs MARS, eager vs torch.compile; peak memory against util/memory.py's
             estimate for configs/qwen2.5-0.5b-24gb.json
-  main      python train.py --device=cuda (the toy main job): time and its accuracy lines
 
 On a machine without CUDA it says so in one line and exits 0. `--dry-run` runs every section on
 the CPU instead, at a tiny shape (2 layers, width 64, Qwen2.5's vocabulary; 64-token training
-rows; the main job for 2 + 2 steps without its evaluation), to out/bench_gpu_dry_run.md: the
-script's own check before GPU time is spent on it (tests/test_bench_gpu.py runs it). Its
-numbers measure nothing.
+rows; the main job for 2 + 2 steps without its evaluation, and its checkpoint decoding), to
+out/bench_gpu_dry_run.md: the script's own check before GPU time is spent on it
+(tests/test_bench_gpu.py runs it). Its numbers measure nothing.
 
     python -m scripts.bench_gpu                  # ~8 min on one H200
     python -m scripts.bench_gpu --minutes 3 --batch-sizes 1,4
-    python -m scripts.bench_gpu --dry-run        # the CPU, ~1 min
+    python -m scripts.bench_gpu --dry-run        # the CPU, ~2 min
 """
 
 import argparse
@@ -105,11 +108,12 @@ def our_decoders(model, new):
     return out
 
 
-def run_ours(model, step, name, dec, batch, new, res, budget):
-    """Warm up (and compile) one decoder at one batch, then time it (twice, compiled) -> its row."""
+def run_ours(model, step, name, dec, batch, new, res, budget, p=None):
+    """Warm up (and compile) one decoder at one batch of prompts `p` (random ones by default),
+    then time it (twice, compiled) -> its row."""
     model.compiled_hidden = step
     graphs0 = graph_count()
-    p = prompts(batch, seed=batch)
+    p = p or prompts(batch, seed=batch)
     dec(p)  # warm-up: compiles this shape when compiled
     warm = graph_count()
     times, gens = [], None
@@ -210,7 +214,7 @@ def decode_section(args, out, budget):
     budget.save(out)
     if budget.left() > 150:
         hf_rows(model, args.batch_sizes, args.new_tokens, rows, budget)
-    exact_section(out)
+    out["exact"] = exact_checks(rows)
     del model
     empty_cache()
 
@@ -236,9 +240,8 @@ def alone_rows(model, step, args, out, budget):
                                          rows_equal=sum(a == b for a, b in zip(alone, by[name, batch]))))
 
 
-def exact_section(out):
+def exact_checks(rows):
     """Exact = AR at each batch: eager against eager AR, compiled against compiled AR."""
-    rows = out["decode"]["rows"]
     by = {(r["decoder"], r["batch"]): r.get("ids") for r in rows}
     checks = []
     for (name, batch), ids in by.items():
@@ -254,7 +257,45 @@ def exact_section(out):
                     rows=len(ids),
                 )
             )
-    out["exact"] = checks
+    return checks
+
+
+# ----------------------------------------------------------------------------- the trained toy
+def toy_section(args, out, budget, work):
+    """The main job's MARS checkpoint (the toy, trained a minute ago by section main) decoding
+    the toy's test prompts, bf16, to EOS or 96 tokens: AR, the τ = 0.9 window and exact K = 2,
+    eager and compiled, at each batch size. Here the drafts are trained, so tokens per forward
+    show as tokens per second (the random 0.5B model's drafts are noise)."""
+    from checkpoint import load_checkpoint
+    from data.synthetic import read_jsonl
+
+    path = os.path.join(work, "out", "mars")
+    if not os.path.isdir(path):
+        raise RuntimeError(f"no checkpoint at {path}: the toy section needs section main before it")
+    ck = load_checkpoint(path, DEVICE, torch.bfloat16)
+    model, B = ck.model, ck.block_size
+    new = 96 if DEVICE == "cuda" else args.new_tokens  # a dry run's toy is untrained: no EOS
+    problems = read_jsonl(os.path.join("data", "default", "test.jsonl"))
+    chats = [ck.tok.encode_chat(x["messages"][:-1], add_generation_prompt=True) for x in problems]
+    kw = dict(block_size=B, max_new_tokens=new, mask_id=ck.mask_id, eos_ids=ck.eos_ids)
+    decs = {
+        "AR": lambda p: generate_ar(model, p, new, ck.eos_ids),
+        "tau=0.9 window": lambda p: generate(model, p, tau=0.9, **kw),
+        "exact K=2": lambda p: generate_exact(model, p, drafts=2, **kw),
+    }
+    out["toy"] = dict(model=f"the main job's MARS checkpoint (B = {B}), bf16", params=model.num_params(),
+                      new_tokens=new, rows=[])
+    rows = out["toy"]["rows"]
+    step = compile_decoding(model).compiled_hidden
+    for compiled in (None, step):
+        for batch in args.batch_sizes:
+            for name, dec in decs.items():
+                if budget.left() > (90 if compiled else 30):
+                    p = chats[batch : 2 * batch]  # the prompts after the first `batch`: a new batch
+                    run_ours(model, compiled, name, dec, batch, new, rows, budget, p)
+        budget.save(out)
+    out["toy"]["exact"] = exact_checks(rows)
+    model.compiled_hidden = None
 
 
 # ----------------------------------------------------------------------------- train
@@ -313,23 +354,23 @@ def train_one(cfg, S, kind, compiled, T):
     return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak)
 
 
-def main_job_section(out, budget):
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        short = ["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"]
-        r = subprocess.run(
-            [sys.executable, "train.py", f"--device={DEVICE}", f"--out_dir={d}/out"]
-            + (short if DEVICE == "cpu" else []),
-            capture_output=True,
-            text=True,
-            timeout=max(60, budget.left()),
-        )
-        out["main"] = dict(
-            command=" ".join(["python"] + r.args[1:]).replace(d, "TMP"),
-            seconds=time.perf_counter() - t0,
-            returncode=r.returncode,
-            last_lines=r.stdout.strip().splitlines()[-4:] + r.stderr.strip().splitlines()[-2:],
-        )
+def main_job_section(out, budget, d):
+    """python train.py into d/out (the toy section decodes its checkpoint)."""
+    t0 = time.perf_counter()
+    short = ["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"]
+    r = subprocess.run(
+        [sys.executable, "train.py", f"--device={DEVICE}", f"--out_dir={d}/out"]
+        + (short if DEVICE == "cpu" else []),
+        capture_output=True,
+        text=True,
+        timeout=max(60, budget.left()),
+    )
+    out["main"] = dict(
+        command=" ".join(["python"] + r.args[1:]).replace(d, "TMP"),
+        seconds=time.perf_counter() - t0,
+        returncode=r.returncode,
+        last_lines=r.stdout.strip().splitlines()[-4:] + r.stderr.strip().splitlines()[-2:],
+    )
 
 
 # ----------------------------------------------------------------------------- page
@@ -418,12 +459,44 @@ def page(out):
             + m["last_lines"]
             + ["```"]
         )
+    lines += toy_page(out.get("toy"))
+    lines += [f"- section {k} failed: {v}" for k, v in out.get("errors", {}).items()]
     lines += [
         "",
         f"Sections not reached in the time budget: {', '.join(out.get('skipped', [])) or 'none'}",
         "",
     ]
     return "\n".join(lines)
+
+
+def toy_page(t):
+    if not t:
+        return []
+    lines = [
+        "",
+        f"## Decoding the trained toy: {t['model']}, {t['params'] / 1e6:.1f}M params, the test prompts "
+        f"to EOS or {t['new_tokens']} tokens, greedy",
+        "",
+        "| batch | decoder | tokens/s | x AR tokens/s | ms/forward | x AR ms/forward | tokens/forward "
+        "| recompiles after warm-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def compiled(r):
+        return r["decoder"].endswith("compiled")
+
+    ar = {(r["batch"], compiled(r)): r for r in t["rows"] if r["decoder"] in ("AR", "AR compiled")}
+    for r in sorted(t["rows"], key=lambda r: r["batch"]):
+        a = ar.get((r["batch"], compiled(r)))
+        x_tok = f"{r['tokens_per_s'] / a['tokens_per_s']:.2f}" if a else "-"
+        x_ms = f"{r['ms_per_forward'] / a['ms_per_forward']:.2f}" if a else "-"
+        lines.append(f"| {r['batch']} | {r['decoder']} | {r['tokens_per_s']:.0f} | {x_tok} | "
+                     f"{r['ms_per_forward']:.2f} | {x_ms} | {r['tokens_per_forward']:.2f} | "
+                     f"{r.get('recompiles_after_warmup', '-')} |")
+    lines.append("")
+    lines += [f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical"
+              for c in t.get("exact", [])]
+    return lines
 
 
 def main(argv=None):
@@ -435,7 +508,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--dry-run 8)")
     p.add_argument("--out", default=None, help="writes OUT.md and OUT.json (default results/GPU; "
                    "out/bench_gpu_dry_run with --dry-run)")
-    p.add_argument("--sections", default="decode,train,main")
+    p.add_argument("--sections", default="decode,main,toy,train", help="in this order")
     p.add_argument("--dry-run", action="store_true", help="every section on the CPU at a tiny shape: "
                    "checks the script, measures nothing")
     args = p.parse_args(argv)
@@ -444,9 +517,9 @@ def main(argv=None):
     args.batch_sizes = args.batch_sizes or ([1, 2] if args.dry_run else [1, 4, 16])
     args.new_tokens = args.new_tokens or (8 if args.dry_run else 64)
     args.out = args.out or ("out/bench_gpu_dry_run" if args.dry_run else "results/GPU")
-    unknown = set(args.sections.split(",")) - {"decode", "train", "main"}
+    unknown = set(args.sections.split(",")) - {"decode", "main", "toy", "train"}
     if unknown:
-        print(f"--sections: unknown section(s) {', '.join(sorted(unknown))} (decode, train, main)")
+        print(f"--sections: unknown section(s) {', '.join(sorted(unknown))} (decode, main, toy, train)")
         return 2
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: scripts.bench_gpu measures a GPU, nothing to do "
@@ -456,10 +529,18 @@ def main(argv=None):
     budget = Budget(args.minutes, args.out)
     dry = " -- a dry run: these numbers measure nothing" if args.dry_run else ""
     out = dict(machine=machine(DEVICE) + dry, skipped=[])
+    with tempfile.TemporaryDirectory() as work:  # the main job's checkpoint, for the toy section
+        run_sections(args, out, budget, work)
+    print(page(json.loads(json.dumps(out, default=str))))
+    return 0
+
+
+def run_sections(args, out, budget, work):
     sections = dict(
         decode=lambda: decode_section(args, out, budget),
+        main=lambda: main_job_section(out, budget, work),
+        toy=lambda: toy_section(args, out, budget, work),
         train=lambda: train_section(out, budget),
-        main=lambda: main_job_section(out, budget),
     )
     for name in args.sections.split(","):
         if budget.left() < 60:
@@ -474,8 +555,6 @@ def main(argv=None):
             print(f"[{name}] failed: {e}", flush=True)
         out.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
         budget.save(out)
-    print(page(json.loads(json.dumps(out, default=str))))
-    return 0
 
 
 if __name__ == "__main__":

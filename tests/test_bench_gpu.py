@@ -51,7 +51,15 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, monkeypatch)
     assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [
         ("AR", False), ("MARS", False), ("AR", True), ("MARS", True)]
     assert res["main"]["returncode"] == 0, res["main"]["last_lines"]
-    for heading in ("## Decoding", "## Training step", "## Main job"):
+    # the toy section decodes the checkpoint the main job wrote: exact K = 2 = AR there too
+    toy = {(r["decoder"], r["batch"]): r for r in res["toy"]["rows"]}
+    for name in ("AR", "tau=0.9 window", "exact K=2"):
+        for suffix in ("", " compiled"):
+            assert {(name + suffix, 1), (name + suffix, 2)} <= set(toy)
+            assert toy[name + suffix, 2]["recompiles_after_warmup"] == 0
+    assert len(res["toy"]["exact"]) == 4
+    assert all(c["rows_equal"] == c["rows"] == c["batch"] for c in res["toy"]["exact"])
+    for heading in ("## Decoding", "## Training step", "## Main job", "## Decoding the trained toy"):
         assert heading in page
 
 
