@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -49,30 +50,49 @@ from util.atomic import atomic_write
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
 MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
-DEVICE = "cuda"  # --dry-run sets "cpu"
-DRY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2)  # --dry-run's model shape (Qwen2.5's vocabulary, for MASK)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything a dry run changes, in one place; main() sets RUN."""
+
+    device: str
+    model: str  # the decode section's model, in words
+    shape: dict  # Qwen2Config fields over its defaults (Qwen2.5-0.5B's shape)
+    batch_sizes: list  # defaults of --batch-sizes, --new-tokens, --out
+    new_tokens: int
+    out: str
+    row_tokens: int  # the training step's rows
+    timed_steps: int  # the training step: the fastest of these, after a warm-up
+    main_flags: list  # train.py's flags beyond --device and --out_dir
+    toy_tokens: int | None  # the toy's replies end at EOS or here (None: --new-tokens)
+
+
+GPU_RUN = Run(device="cuda", model="random Qwen2.5-0.5B shape", shape={}, batch_sizes=[1, 4, 16],
+              new_tokens=64, out="results/GPU", row_tokens=512, timed_steps=3, main_flags=[], toy_tokens=96)
+DRY_RUN = Run(device="cpu", model="tiny random model (dry run)",
+              shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2),
+              batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=64, timed_steps=1,
+              main_flags=["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"],
+              toy_tokens=None)  # an untrained toy reaches no EOS: --new-tokens
+RUN = GPU_RUN
 
 
 def bandwidth():
-    if DEVICE == "cpu":
+    if RUN.device == "cpu":
         return None, "the CPU (dry run)"
     name = torch.cuda.get_device_name()
     return next((bw for key, bw in BANDWIDTH.items() if key in name), None), name
 
 
-def config():
-    """Qwen2.5-0.5B's shape (Qwen2Config's defaults); a tiny one in a dry run."""
-    return Qwen2Config(**DRY) if DEVICE == "cpu" else Qwen2Config()
-
-
 def random_05b(seed=0):
-    """A random model of config()'s shape in bf16 on DEVICE."""
-    return init_weights(Qwen2(config()), seed=seed).to(DEVICE, torch.bfloat16).eval()
+    """A random model of RUN's shape in bf16 on RUN's device."""
+    return init_weights(Qwen2(Qwen2Config(**RUN.shape)), seed=seed).to(RUN.device, torch.bfloat16).eval()
 
 
 def sync():
-    if DEVICE == "cuda":
+    if RUN.device == "cuda":
         torch.cuda.synchronize()
 
 
@@ -108,12 +128,11 @@ def our_decoders(model, new):
     return out
 
 
-def run_ours(model, step, name, dec, batch, new, res, budget, p=None):
-    """Warm up (and compile) one decoder at one batch of prompts `p` (random ones by default),
-    then time it (twice, compiled) -> its row."""
+def run_ours(model, step, name, dec, p, res):
+    """Warm up (and compile) one decoder on one batch of prompts p, then time it (twice,
+    compiled) -> its row, appended to res."""
     model.compiled_hidden = step
     graphs0 = graph_count()
-    p = p or prompts(batch, seed=batch)
     dec(p)  # warm-up: compiles this shape when compiled
     warm = graph_count()
     times, gens = [], None
@@ -125,10 +144,10 @@ def run_ours(model, step, name, dec, batch, new, res, budget, p=None):
     dt = min(times)
     row = dict(
         decoder=name + (" compiled" if step else ""),
-        batch=batch,
+        batch=len(p),
         tokens_per_s=tokens / dt,
         ms_per_forward=1000 * dt / forwards,
-        tokens_per_forward=tokens / forwards / batch,
+        tokens_per_forward=tokens / forwards / len(p),
         graphs_at_warmup=warm - graphs0,
         recompiles_after_warmup=graph_count() - warm,
         ids=[g.ids for g in gens],
@@ -153,7 +172,7 @@ def hf_rows(model, batches, new, res, budget):
             hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
         except TypeError:  # transformers < 4.56 names it torch_dtype
             hf = AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.bfloat16)
-        hf = hf.to(DEVICE).eval()
+        hf = hf.to(RUN.device).eval()
     for impl in ("dynamic", "static"):
         for batch in batches:
             if budget.left() > 60 and (impl == "dynamic" or batch <= 4):
@@ -164,8 +183,8 @@ def hf_rows(model, batches, new, res, budget):
 def hf_one(hf, impl, batch, new):
     p = prompts(batch, seed=batch)
     L = max(map(len, p))
-    ids = torch.tensor([[0] * (L - len(x)) + x for x in p], device=DEVICE)  # left-padded, as HF wants
-    att = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in p], device=DEVICE)
+    ids = torch.tensor([[0] * (L - len(x)) + x for x in p], device=RUN.device)  # left-padded, as HF wants
+    att = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in p], device=RUN.device)
     kw = dict(attention_mask=att, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if impl == "static":
         kw["cache_implementation"] = "static"
@@ -185,7 +204,7 @@ def decode_section(args, out, budget):
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw, name = bandwidth()
     out["decode"] = dict(
-        model="random Qwen2.5-0.5B shape, bf16" if DEVICE == "cuda" else "tiny random model (dry run), bf16",
+        model=RUN.model + ", bf16",
         params=model.num_params(),
         weight_bytes=nbytes,
         card=name,
@@ -200,7 +219,7 @@ def decode_section(args, out, budget):
     for batch in args.batch_sizes:  # eager: no compile, a few seconds each
         for name, dec in decs.items():
             if budget.left() > 30:
-                run_ours(model, None, name, dec, batch, args.new_tokens, rows, budget)
+                run_ours(model, None, name, dec, prompts(batch, seed=batch), rows)
     budget.save(out)
     # compiled, what the targets read first: AR and exact K = 2 at every batch, then the others
     order = [(n, b) for n in ("AR", "exact K=2") for b in args.batch_sizes]
@@ -208,7 +227,7 @@ def decode_section(args, out, budget):
     order += [(n, b) for n in ("tau=0.95 window", "exact K=1", "exact K=4") for b in args.batch_sizes[1:]]
     for name, batch in order:
         if budget.left() > 150:
-            run_ours(model, step, name, decs[name], batch, args.new_tokens, rows, budget)
+            run_ours(model, step, name, decs[name], prompts(batch, seed=batch), rows)
             budget.save(out)
     alone_rows(model, step, args, out, budget)
     budget.save(out)
@@ -220,7 +239,7 @@ def decode_section(args, out, budget):
 
 
 def empty_cache():
-    if DEVICE == "cuda":
+    if RUN.device == "cuda":
         torch.cuda.empty_cache()
 
 
@@ -240,24 +259,24 @@ def alone_rows(model, step, args, out, budget):
                                          rows_equal=sum(a == b for a, b in zip(alone, by[name, batch]))))
 
 
+def ar_of(rows):
+    """-> a function: a row -> the AR row of its batch and kind (eager or compiled), or None."""
+    def key(r):
+        return r["batch"], r["decoder"].endswith("compiled")
+
+    ar = {key(r): r for r in rows if r["decoder"] in ("AR", "AR compiled")}
+    return lambda r: ar.get(key(r))
+
+
 def exact_checks(rows):
     """Exact = AR at each batch: eager against eager AR, compiled against compiled AR."""
-    by = {(r["decoder"], r["batch"]): r.get("ids") for r in rows}
-    checks = []
-    for (name, batch), ids in by.items():
-        if ids is None or not name.startswith("exact"):
-            continue
-        ar = by.get(("AR compiled" if name.endswith("compiled") else "AR", batch))
-        if ar is not None:
-            checks.append(
-                dict(
-                    check=f"{name} = {'AR compiled' if name.endswith('compiled') else 'AR'}",
-                    batch=batch,
-                    rows_equal=sum(a == b for a, b in zip(ids, ar)),
-                    rows=len(ids),
-                )
-            )
-    return checks
+    ar = ar_of(rows)
+    return [
+        dict(check=f"{r['decoder']} = {a['decoder']}", batch=r["batch"], rows=len(r["ids"]),
+             rows_equal=sum(x == y for x, y in zip(r["ids"], a["ids"])))
+        for r in rows
+        if r["decoder"].startswith("exact") and (a := ar(r)) is not None
+    ]
 
 
 # ----------------------------------------------------------------------------- the trained toy
@@ -272,10 +291,10 @@ def toy_section(args, out, budget, work):
     path = os.path.join(work, "out", "mars")
     if not os.path.isdir(path):
         raise RuntimeError(f"no checkpoint at {path}: the toy section needs section main before it")
-    ck = load_checkpoint(path, DEVICE, torch.bfloat16)
+    ck = load_checkpoint(path, RUN.device, torch.bfloat16)
     model, B = ck.model, ck.block_size
-    new = 96 if DEVICE == "cuda" else args.new_tokens  # a dry run's toy is untrained: no EOS
-    problems = read_jsonl(os.path.join("data", "default", "test.jsonl"))
+    new = RUN.toy_tokens or args.new_tokens
+    problems = read_jsonl(os.path.join("data", "default", "test.jsonl"))[: 2 * max(args.batch_sizes)]
     chats = [ck.tok.encode_chat(x["messages"][:-1], add_generation_prompt=True) for x in problems]
     kw = dict(block_size=B, max_new_tokens=new, mask_id=ck.mask_id, eos_ids=ck.eos_ids)
     decs = {
@@ -292,7 +311,7 @@ def toy_section(args, out, budget, work):
             for name, dec in decs.items():
                 if budget.left() > (90 if compiled else 30):
                     p = chats[batch : 2 * batch]  # the prompts after the first `batch`: a new batch
-                    run_ours(model, compiled, name, dec, batch, new, rows, budget, p)
+                    run_ours(model, compiled, name, dec, p, rows)
         budget.save(out)
     out["toy"]["exact"] = exact_checks(rows)
     model.compiled_hidden = None
@@ -304,33 +323,34 @@ def train_section(out, budget):
     from util.memory import estimate_memory
 
     S = parse_settings(["--config", "configs/qwen2.5-0.5b-24gb.json"])
-    cfg = config()
+    cfg = Qwen2Config(**RUN.shape)
     res = dict(
         config="configs/qwen2.5-0.5b-24gb.json",
-        shape="0.5B shape" if DEVICE == "cuda" else "tiny shape (dry run)",
+        shape=RUN.model,
         micro_batch=S.micro_batch_size,
-        row_tokens=64 if DEVICE == "cpu" else 512,
+        row_tokens=RUN.row_tokens,
         estimate_GiB=estimate_memory(Qwen2Config(), S) / 2**30,
         rows=[],
     )
     for compiled in (False, True):
         for kind in ("AR", "MARS"):
             if budget.left() > (150 if compiled else 45):
-                res["rows"].append(train_one(cfg, S, kind, compiled, res["row_tokens"]))
+                res["rows"].append(train_one(cfg, S, kind, compiled))
                 empty_cache()
     out["train"] = res
 
 
-def train_one(cfg, S, kind, compiled, T):
-    """Warm-up step, then the fastest of 3 steps, and the peak memory of those 3 (on CUDA)."""
+def train_one(cfg, S, kind, compiled):
+    """Warm-up step, then the fastest of RUN.timed_steps steps, and their peak memory (on CUDA)."""
     from mars import ar_loss, mars_loss
 
-    model = init_weights(Qwen2(cfg), seed=0).to(DEVICE)
+    model = init_weights(Qwen2(cfg), seed=0).to(RUN.device)
     model.gradient_checkpointing = True
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(DEVICE)
+    T = RUN.row_tokens
+    ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(RUN.device)
     labels = ids.clone()
     labels[:, : T // 4] = -100  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
 
@@ -340,27 +360,26 @@ def train_one(cfg, S, kind, compiled, T):
     loss_fn = torch.compile(loss_of) if compiled else loss_of
 
     def one_step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        with torch.autocast(RUN.device, dtype=torch.bfloat16):
             loss = loss_fn(ids, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     one_step()  # warm-up (compiles)
-    if DEVICE == "cuda":
+    cuda = RUN.device == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = [timed(one_step)[0] for _ in range(3 if DEVICE == "cuda" else 1)]  # a dry run: 1
-    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
+    times = [timed(one_step)[0] for _ in range(RUN.timed_steps)]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak)
 
 
 def main_job_section(out, budget, d):
     """python train.py into d/out (the toy section decodes its checkpoint)."""
     t0 = time.perf_counter()
-    short = ["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"]
     r = subprocess.run(
-        [sys.executable, "train.py", f"--device={DEVICE}", f"--out_dir={d}/out"]
-        + (short if DEVICE == "cpu" else []),
+        [sys.executable, "train.py", f"--device={RUN.device}", f"--out_dir={d}/out"] + RUN.main_flags,
         capture_output=True,
         text=True,
         timeout=max(60, budget.left()),
@@ -403,13 +422,9 @@ def page(out):
             "| recompiles after warm-up |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        ar = {
-            (r["batch"], r["decoder"].endswith("compiled")): r["ms_per_forward"]
-            for r in d["rows"]
-            if r["decoder"] in ("AR", "AR compiled")
-        }
+        ar = ar_of(d["rows"])
         for r in sorted(d["rows"], key=lambda r: r["batch"]):
-            ref = ar.get((r["batch"], r["decoder"].endswith("compiled")))
+            ref = ar(r)["ms_per_forward"] if ar(r) else None
             gbs = d["weight_bytes"] / (r["ms_per_forward"] / 1000) / 1e9
             lines.append(
                 f"| {r['batch']} | {r['decoder']} | {r['tokens_per_s']:.1f} | {r['ms_per_forward']:.2f} | "
@@ -425,10 +440,7 @@ def page(out):
                 else f"{gbs:.0f} | - | {r.get('recompiles_after_warmup', '-')} |"
             )
         lines.append("")
-    for c in out.get("exact", []):
-        lines.append(f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical")
-    for c in out.get("alone", []):
-        lines.append(f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical")
+    lines += check_lines(out.get("exact", []) + out.get("alone", []))
     t = out.get("train")
     if t:
         lines += [
@@ -481,22 +493,21 @@ def toy_page(t):
         "| recompiles after warm-up |",
         "|---|---|---|---|---|---|---|---|",
     ]
-
-    def compiled(r):
-        return r["decoder"].endswith("compiled")
-
-    ar = {(r["batch"], compiled(r)): r for r in t["rows"] if r["decoder"] in ("AR", "AR compiled")}
+    ar = ar_of(t["rows"])
     for r in sorted(t["rows"], key=lambda r: r["batch"]):
-        a = ar.get((r["batch"], compiled(r)))
+        a = ar(r)
         x_tok = f"{r['tokens_per_s'] / a['tokens_per_s']:.2f}" if a else "-"
         x_ms = f"{r['ms_per_forward'] / a['ms_per_forward']:.2f}" if a else "-"
         lines.append(f"| {r['batch']} | {r['decoder']} | {r['tokens_per_s']:.0f} | {x_tok} | "
                      f"{r['ms_per_forward']:.2f} | {x_ms} | {r['tokens_per_forward']:.2f} | "
                      f"{r.get('recompiles_after_warmup', '-')} |")
     lines.append("")
-    lines += [f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical"
-              for c in t.get("exact", [])]
-    return lines
+    return lines + check_lines(t.get("exact", []))
+
+
+def check_lines(checks):
+    return [f"- {c['check']}, batch {c['batch']}: {c['rows_equal']}/{c['rows']} rows identical"
+            for c in checks]
 
 
 def main(argv=None):
@@ -512,23 +523,23 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="every section on the CPU at a tiny shape: "
                    "checks the script, measures nothing")
     args = p.parse_args(argv)
-    global DEVICE
-    DEVICE = "cpu" if args.dry_run else "cuda"
-    args.batch_sizes = args.batch_sizes or ([1, 2] if args.dry_run else [1, 4, 16])
-    args.new_tokens = args.new_tokens or (8 if args.dry_run else 64)
-    args.out = args.out or ("out/bench_gpu_dry_run" if args.dry_run else "results/GPU")
+    global RUN
+    RUN = DRY_RUN if args.dry_run else GPU_RUN
+    args.batch_sizes = args.batch_sizes or RUN.batch_sizes
+    args.new_tokens = args.new_tokens or RUN.new_tokens
+    args.out = args.out or RUN.out
     unknown = set(args.sections.split(",")) - {"decode", "main", "toy", "train"}
     if unknown:
         print(f"--sections: unknown section(s) {', '.join(sorted(unknown))} (decode, main, toy, train)")
         return 2
-    if DEVICE == "cuda" and not torch.cuda.is_available():
+    if RUN.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: scripts.bench_gpu measures a GPU, nothing to do "
               "(--dry-run checks the script on the CPU)")
         return 0
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     budget = Budget(args.minutes, args.out)
     dry = " -- a dry run: these numbers measure nothing" if args.dry_run else ""
-    out = dict(machine=machine(DEVICE) + dry, skipped=[])
+    out = dict(machine=machine(RUN.device) + dry, skipped=[])
     with tempfile.TemporaryDirectory() as work:  # the main job's checkpoint, for the toy section
         run_sections(args, out, budget, work)
     print(page(json.loads(json.dumps(out, default=str))))

@@ -55,6 +55,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def eager_compile(monkeypatch):
+    """torch.compile on dynamo's eager backend for the test: dynamo's guards, graphs and recompile
+    limit, without inductor's compile of each graph (seconds each; tests/test_compile.py pays it)."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile",
+                        lambda f=None, **kw: real(f, dynamic=kw.get("dynamic"), backend="eager"))
+
+
 def graphs_built():
     """Graphs torch.compile has built in this process so far (each compile of a new shape)."""
     import torch._dynamo.utils

@@ -15,12 +15,9 @@ from scripts import bench_gpu
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: it counts graphs
 
 
-def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, monkeypatch):
-    # dynamo's eager backend: the guards (and so the recompile counts) are dynamo's, the
-    # inductor compile of each shape, tested in test_compile.py, is not paid again here
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile",
-                        lambda f=None, **kw: real(f, dynamic=kw.get("dynamic"), backend="eager"))
+def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compile):
+    # conftest.py's eager_compile: the graphs and recompile counts are dynamo's, the inductor
+    # compile of each shape, tested in test_compile.py, is not paid again here
     out = tmp_path / "gpu"
     rc = bench_gpu.main(["--dry-run", "--out", str(out), "--batch-sizes", "1,2", "--new-tokens", "4"])
     assert rc == 0

@@ -155,7 +155,7 @@ def test_compiled_decoders_give_the_eager_tokens_and_never_recompile(packed):
     assert (top2[..., 0] - top2[..., 1]).min().item() > 100 * COMPILED_LOGITS_ATOL  # no near-tie to flip
 
 
-def test_every_shape_is_compiled_past_dynamos_default_limit(monkeypatch):
+def test_every_shape_is_compiled_past_dynamos_default_limit(monkeypatch, eager_compile):
     """Each decoder, batch size and dtype is a graph of the one function model.static_hidden;
     past dynamo's default of 8 graphs a function, a new shape would run eagerly, silently.
     Twelve batch sizes of AR give twelve graphs (dynamo's eager backend: the guards and the
@@ -163,9 +163,6 @@ def test_every_shape_is_compiled_past_dynamos_default_limit(monkeypatch):
     import torch._dynamo
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, whatever ran before
-    real = torch.compile
-    monkeypatch.setattr(model_py.torch, "compile",
-                        lambda f, dynamic, options: real(f, dynamic=dynamic, backend="eager"))
     model = compile_decoding(tiny(torch.float32))
     before = graphs_built()
     for n in range(1, 13):
