@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from model import Qwen2, pack_for_decoding
+from model import Qwen2
 from tokenizer import Tokenizer
 from util.atomic import write_json
 from util.files import BadFileError, checked, read_json_object
@@ -81,13 +81,14 @@ def eos_ids_of(path, tok):
 
 def load_checkpoint(path, device="cpu", dtype=torch.float32, model=None):
     """Open an HF-layout directory (ours, a converted one, or the authors' release) ->
-    `Checkpoint`. `model` skips loading the weights again (a caller that already has them)."""
+    `Checkpoint` with the plain model (model.Qwen2, eval mode). `model` skips loading the
+    weights again (a caller that already has them)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     mars, tok = read_mars(path), open_tokenizer(path)
     mask_id = mars.get("mask_id", getattr(tok, "mask_id", None))
     if model is None:
-        model = pack_for_decoding(Qwen2.from_pretrained(path, dtype, device).eval())  # fast decoding matmuls
+        model = Qwen2.from_pretrained(path, dtype, device).eval()  # the reference; fast.make_fast speeds it
     if mars.get("mask_id") is not None and mars["mask_id"] >= model.config.vocab_size:
         raise BadFileError(os.path.join(path, "mars.json"), f"mask_id {mars['mask_id']} is not below the "
                            f"model's vocab_size {model.config.vocab_size} (config.json)")

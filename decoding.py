@@ -1,5 +1,5 @@
 """Decoding plumbing shared by every decoder: what a step yields, the live τ, request
-checks, the one EOS/budget cut, the candidates, and collecting results (docs/spec.md §5).
+checks, the one EOS/budget cut, and collecting results (docs/spec.md §5).
 
 generate.py (the τ-gated loop, §5-§6), exact.py (exact mode) and chat.py all build on
 this file, and it imports none of them (only the sampling kernels, sampling.py). It knows
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sampling import GREEDY, Sampling, argmax, confidence, pick, row_generators
+from sampling import Sampling, row_generators
 
 
 @dataclass
@@ -85,16 +85,9 @@ def check_request(model, prompts, block_size, tau, max_new_tokens, mask_id=None,
             raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {cfg.vocab_size})")
 
 
-def compiled(model):
-    """Whether decoding steps run compiled (model.compile_decoding): then every step forwards
-    its decoder's fixed width, padded, and never reads a length back from the device."""
-    return model.compiled_hidden is not None
-
-
 # ---------------------------------------------------------------- tensors in, tensors out
 def pad_rows(rows, pad_id, device, width=None):
-    """Right-pad lists of ids into a (N, T) tensor, T = the longest row, or `width` (a compiled
-    step's fixed width)."""
+    """Right-pad lists of ids into a (N, T) tensor, T = the longest row, or `width`."""
     T = max(len(r) for r in rows) if width is None else width
     return torch.tensor([r + [pad_id] * (T - len(r)) for r in rows], dtype=torch.long, device=device)
 
@@ -105,26 +98,6 @@ def logits_at(model, h, start, n):
     idx = start[:, None] + torch.arange(n, device=h.device)  # (N, n)
     h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (N, n, C)
     return model.lm_head(h)
-
-
-def candidates(logits, sampling=GREEDY, gens=None, ar=False):
-    """Candidates and their confidences (§5.2-3): logits (N, n, V) at [last prefix token,
-    mask 0 .. n-2] -> c (N, n), conf (N, n) (sampling.confidence: the raw fp32 softmax;
-    None in AR mode, where nothing but c_0 is accepted).
-
-    Temperature 0 (the default): c = the fp32 argmax, conf = its softmax probability, the
-    greedy rule of §5. Otherwise each c_j is drawn from its own position's processed
-    distribution, independently (mask j-1 never sees the drawn c_{j-1}: this is MARS, not
-    exact sampling; that is exact.py). c_0 is drawn in a call of its own and, in AR mode
-    (`ar`), c_1.. are not drawn at all (the argmax, never accepted): so an AR-mode step uses
-    each row's generator exactly as the AR sampler does, one one-position draw per token."""
-    c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR draw
-    rest = logits[:, 1:]  # (N, n-1, V)
-    greedy = ar or sampling.greedy or rest.shape[1] == 0
-    c = torch.cat([c0, argmax(rest) if greedy else pick(rest, sampling, gens)], 1)  # (N, n)
-    if ar:  # AR mode accepts c_0 alone: no confidence is read (and no softmax over V computed)
-        return c, None
-    return c, confidence(logits, c, sampling.accept_metric)
 
 
 def streams(sampling, generators, n_rows, device):
@@ -143,11 +116,6 @@ def streams(sampling, generators, n_rows, device):
 def rows_of(gens, idx):
     """The streams of rows `idx` (a list of row indices); one shared Generator stays itself."""
     return gens if gens is None or isinstance(gens, torch.Generator) else [gens[b] for b in idx]
-
-
-def leading_run(ok):
-    """ok (N, n) bool -> (N,) the length of each row's leading run of True."""
-    return ok.long().cumprod(1).sum(1)
 
 
 # ---------------------------------------------------------------- per-row results

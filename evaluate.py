@@ -25,8 +25,7 @@ import torch
 
 from checkpoint import DEFAULT_BLOCK_SIZE, load_checkpoint
 from data.synthetic import FAMILIES, is_correct, read_jsonl
-from decoding import candidates
-from generate import accept, generate, nocache_logits
+from generate import accept, candidates, generate, nocache_logits
 from util.atomic import write_json
 from util.files import USER_ERRORS, error_line
 

@@ -1,5 +1,5 @@
-"""Exact mode: the AR output at several tokens per forward (docs/spec.md §3, §5, §6), greedy
-or sampled.
+"""Exact mode: the AR output at several tokens per forward (docs/spec.md §8), greedy or
+sampled.
 
 The τ rule of §5 trades accuracy for speed. Exact mode keeps the AR output (greedy:
 token for token; sampled: in distribution) and lets the model check its own mask
@@ -38,8 +38,9 @@ does three things at once:
 
 Group size: g = K. Mask m's output depends (causally) on masks 0..m of its group
 only, so masks past the K-th cannot change the K drafts we read; K <= B because
-the model was trained on blocks of B masks (all B noisy outputs carry loss, §3), so
-B is a bound on K, not a count of masks to forward.
+the model was trained on noisy blocks of B masks (§3: mask m of a block learned to look
+m + 2 tokens past its last real token, up to B + 1), so B is a bound on K, not a count of
+masks to forward.
 
 The first forward is the prefill [prompt | K masks], plain causal: c_0 is the argmax
 at the last prompt token, G_0 gives the first drafts, and only the prompt is
@@ -64,20 +65,19 @@ import functools
 
 import torch
 
-from decoding import Rows, Step, check_request, collect, compiled, logits_at, pad_rows, streams
-from kvcache import KVCache
+from decoding import Rows, Step, check_request, collect, logits_at, pad_rows, streams
 from mars import exact_attention_mask
-from sampling import GREEDY, argmax, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
+from sampling import GREEDY, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
 
 
 # ---------------------------------------------------------------- one step
-def step_input(c0, drafts, group_size, lengths, mask_id, k=None):
+def step_input(c0, drafts, group_size, lengths, mask_id):
     """The tokens (N, T), position ids (N, T) and mask (T, T) of one step, T = (1+k)(1+g).
 
-    c0: the pending token per row; drafts: per row a list of <= k drafts (k: the most any row
-    has, or K in a compiled step, whose shape is fixed); lengths (N,): the cached prefix
-    length |P| of each row. Real token i sits at position |P|+i, mask m of group j at |P|+j+1+m."""
-    k, device = max(map(len, drafts)) if k is None else k, lengths.device
+    c0: the pending token per row; drafts: per row a list of drafts, k the most any row has;
+    lengths (N,): the cached prefix length |P| of each row. Real token i sits at position
+    |P|+i, mask m of group j at |P|+j+1+m."""
+    k, device = max(map(len, drafts)), lengths.device
     real = pad_rows([[c] + d for c, d in zip(c0, drafts)], mask_id, device, 1 + k)  # (N, 1+k)
     masks = torch.full((len(c0), (1 + k) * group_size), mask_id, dtype=torch.long, device=device)
     offsets, mask = step_layout(k, group_size, device)
@@ -111,7 +111,7 @@ def verify(logits, drafts, q, sampling=GREEDY, gens=None):
     n = torch.tensor([len(d) for d in drafts], device=device)  # (N,): real drafts per row
     d = pad_rows(drafts, 0, device) if k else n[:, None][:, :0]  # (N, k); padding never tested
     if sampling.greedy:
-        return greedy_accept(argmax(logits), d, n)
+        return greedy_accept(pick(logits, GREEDY), d, n)
     return speculative_accept(processed_probs(logits, sampling), q[:, :k], d, n, gens)
 
 
@@ -163,7 +163,7 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     K, eos_ids, s = drafts, tuple(eos_ids), sampling
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), next(model.parameters()).device
-    cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + (1 + K) ** 2)
+    cache = model.new_cache(N, max(map(len, prompts)) + max_new_tokens, step=(1 + K) ** 2)
     rows, gens = Rows(N, max_new_tokens, eos_ids), streams(s, generators, N, device)
 
     # prefill: [prompt | G_0] plain causal; commit the prompt only
@@ -180,12 +180,12 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     while not all(rows.done):
         # drafts past the budget could never be emitted: do not forward them
         d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(N)]
-        k = K if compiled(model) else max(map(len, d))  # drafts' slots this step
-        tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id, k)
+        k = max(map(len, d))  # drafts' slots this step
+        tokens, positions, mask = step_input(c0, d, K, cache.lengths, mask_id)
         # one LM head call for the verification and every group: which group is read
         # depends on the verification, and a second call would stream the head's V x C
         # weights again (results/SPEED.md, issue 22)
-        logits = model.lm_head(model.step(tokens, positions, mask, cache))  # (N, T, V)
+        logits = model.lm_head(model.hidden(tokens, positions, mask, cache))  # (N, T, V)
         forwards += 1
         a, bonus = verify(logits, d, q, s, gens)
         d_next, q = draft(group_logits(logits, a, k, K), draft_threshold, s, gens)

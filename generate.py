@@ -49,21 +49,16 @@ from decoding import (
     Rows,
     Step,
     ar_only,
-    candidates,
     check_request,
     check_tau,
     collect,
-    compiled,
-    leading_run,
     logits_at,
     pad_rows,
     rows_of,
     streams,
 )
 from exact import check_exact, exact_steps
-from kvcache import KVCache
-from model import compile_decoding
-from sampling import GREEDY, METRICS, Sampling, confident, row_generators
+from sampling import GREEDY, METRICS, Sampling, confidence, confident, pick, row_generators
 from util.files import USER_ERRORS, error_line
 from util.precision import choose_dtype, dtype_name
 
@@ -71,16 +66,38 @@ CACHE_MODES = ("window", "block", "none")
 DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
 
 
-# ---------------------------------------------------------------- the acceptance rule (§5)
+# ---------------------------------------------------------------- the τ rule (§5.2-5.5)
+def candidates(logits, sampling=GREEDY, gens=None, ar=False):
+    """Candidates and their confidences (§5.2-3): logits (N, n, V) at [last prefix token,
+    mask 0 .. n-2] -> c (N, n), conf (N, n); conf is None in AR mode (`ar`), where nothing
+    but c_0 is accepted and no softmax over V is computed.
+
+    Greedy (temperature 0, the default): c_j = the argmax of the fp32 logits, conf_j = its
+    fp32 softmax probability p_j. Sampling extends the rule: each c_j is drawn from its own
+    position's processed distribution, independently (mask j-1 never sees the drawn c_{j-1}:
+    this is MARS, not exact sampling; that is exact.py), and conf_j is still the RAW softmax
+    probability of c_j (sampling.confidence: or its entropy or margin). c_0 is drawn in a call
+    of its own and in AR mode c_1.. are not drawn at all: an AR-mode step uses each row's
+    generator exactly as the AR sampler does, one one-position draw per token."""
+    c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR token
+    rest = logits[:, 1:]  # (N, n-1, V)
+    greedy = ar or sampling.greedy or rest.shape[1] == 0
+    c = torch.cat([c0, pick(rest, GREEDY if greedy else sampling, gens)], 1)  # (N, n)
+    if ar:
+        return c, None
+    return c, confidence(logits, c, sampling.accept_metric)
+
+
 def accept(conf, tau, metric="probability"):
     """The acceptance rule (§5.4-5): how many leading candidates each row keeps, (N,).
 
-    c_0 is always accepted; then c_1, c_2, ... while p_j >= τ (conf: the candidates'
-    confidences, sampling.confidence; entropy: while H_j <= τ), stopping at the first
-    failure. AR mode (decoding.ar_only: τ >= 1, for entropy τ = 0) accepts only c_0."""
+    c_0, the AR token, is always kept; then c_1, c_2, ... while p_j >= τ (conf: the
+    candidates' confidences; the entropy metric keeps while H_j <= τ), stopping at the first
+    that fails. AR mode (decoding.ar_only: τ >= 1; entropy τ = 0) keeps c_0 alone."""
     if ar_only(tau, metric):
         return torch.ones(conf.shape[0], dtype=torch.long, device=conf.device)
-    return 1 + leading_run(confident(conf[:, 1:], tau, metric))  # (N,)
+    passed = confident(conf[:, 1:], tau, metric)  # (N, n-1): p_j >= τ
+    return 1 + passed.long().cumprod(1).sum(1)  # c_0 and the leading run of passes, (N,)
 
 
 def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
@@ -108,13 +125,13 @@ def nocache_logits(model, seqs, B, mask_id):
     return logits_at(model, h, last, B)
 
 
-def extend_cache(model, cache, tokens, n, step=False):
+def extend_cache(model, cache, tokens, n):
     """Forward tokens (N, T) against the cache, commit the first n[i] of each row, and
     return the final hidden state of each row's last committed token (N, C): the prefill,
     an AR step, and the block cache's per-block extension (§6 step 3). The stored "last
     logit" is kept as this hidden state; the LM head is applied when a candidate is read.
-    step: a decoding step of fixed width T (model.step); else eager, cut to the longest n."""
-    h = model.step(tokens, cache=cache) if step else model.hidden(tokens[:, : int(n.max())], cache=cache)
+    Only the first max(n) tokens are forwarded."""
+    h = model.hidden(tokens[:, : int(n.max())], cache=cache)
     cache.commit(n)
     return h[torch.arange(h.shape[0], device=h.device), (n - 1).clamp(min=0)]
 
@@ -140,15 +157,12 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, g
     rows are right-padded inside the window, so a row's masks directly follow its
     pending tokens and plain causal attention never shows a real token a pad."""
     rows, device, forwards = Rows(len(prompts), max_new, eos_ids), model.lm_head.weight.device, 0
-    cache = KVCache.for_model(model, len(prompts), max(map(len, prompts)) + max_new + 2 * B)
+    cache = model.new_cache(len(prompts), max(map(len, prompts)) + max_new, step=2 * B)
     pending = [list(p) for p in prompts]
     while not all(rows.done):
         tau, active = knob.tau, rows.active()
         window = [p + [mask_id] * B for p in pending]
-        if forwards == 0:  # the prefill: the prompts and B masks, eager
-            h = model.hidden(pad_rows(window, mask_id, device), cache=cache)
-        else:  # [at most B accepted | B masks], 2B wide when compiled
-            h = model.step(pad_rows(window, mask_id, device, 2 * B if compiled(model) else None), cache=cache)
+        h = model.hidden(pad_rows(window, mask_id, device), cache=cache)  # the prompts first, then <= 2B
         n = torch.tensor([len(p) for p in pending], device=device)
         cache.commit(n)
         forwards += 1
@@ -181,7 +195,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
     needs no forward, giving n)."""
     N, device = len(prompts), model.lm_head.weight.device
     rows = Rows(N, max_new, eos_ids)
-    cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new + block_cache + B)
+    cache = model.new_cache(N, max(map(len, prompts)) + max_new, step=block_cache + B)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     last = extend_cache(model, cache, pad_rows(prompts, mask_id, device), lens)  # prefill, (N, C)
     forwards = 1
@@ -191,7 +205,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
         growing = [b for b in rows.active() if filled[b] < block_cache]
         if not growing:  # (3) every row filled the block: commit it, start the next one
             n = torch.tensor([0 if d else f for d, f in zip(rows.done, filled)], device=device)
-            last = extend_cache(model, cache, block, n, step=compiled(model))
+            last = extend_cache(model, cache, block, n)
             forwards += 1
             block.fill_(mask_id)
             filled = [0] * N
@@ -199,8 +213,8 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
         tau = knob.tau
         W = max(filled[b] for b in growing) + B - 1  # the last candidate needed is output W-1
         h = last.new_zeros(N, 0, last.shape[-1])
-        if W > 0:  # (2) inner step: forward the block only (all of it when compiled); no commit
-            h = model.step(block if compiled(model) else block[:, :W], cache=cache)[:, :W]  # (N, W, C)
+        if W > 0:  # (2) inner step: forward the block only; no commit
+            h = model.hidden(block[:, :W], cache=cache)  # (N, W, C)
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
@@ -261,7 +275,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, gener
     N, device = len(prompts), model.lm_head.weight.device
     gens = streams(sampling, generators, N, device)
     rows = Rows(N, max_new_tokens, tuple(eos_ids))
-    cache = KVCache.for_model(model, N, max(map(len, prompts)) + max_new_tokens + 1)
+    cache = model.new_cache(N, max(map(len, prompts)) + max_new_tokens)
     lens = torch.tensor([len(p) for p in prompts], device=device)
     last = extend_cache(model, cache, pad_rows(prompts, 0, device), lens)  # prefill, (N, C)
     forwards = 1
@@ -272,7 +286,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, gener
         if all(rows.done):
             return
         tok = torch.tensor([t[0] if t else 0 for t in new], device=device)[:, None]  # (N, 1)
-        last = extend_cache(model, cache, tok, torch.ones_like(lens), step=True)
+        last = extend_cache(model, cache, tok, torch.ones_like(lens))
         forwards += 1
 
 
@@ -371,11 +385,15 @@ def parse_args(argv=None):
                    help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--device", default="auto", help="auto (the default): cuda when present, else cpu")
-    p.add_argument("--compile", action="store_true", help="compile the decoding step once per shape "
-                   "(model.compile_decoding: CUDA graphs on a GPU, inductor on the CPU; the first "
-                   "reply pays the compile)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="auto: bfloat16 where the device has bf16 units, else float32 (util/precision.py)")
+    p.add_argument("--fast", action="store_true", help="decode through the engine (fast/): bf16 where "
+                   "the device has bf16 units, weights packed for oneDNN, row tiles; the default is the "
+                   "reference, float32 and plain")
+    p.add_argument("--compile", action="store_true", help="--fast, with the decoding step compiled once "
+                   "per shape (CUDA graphs on a GPU, inductor on the CPU; the first reply pays the compile)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="default: float32, or with --fast auto: bfloat16 where the device has bf16 units, "
+                   "else float32 (util/precision.py); bfloat16 and float16 decode through the engine, "
+                   "which is what keeps exact mode exact in them")
     args = p.parse_args(argv)
     if not (args.chat or args.prompt is not None or args.prompt_ids is not None or args.prompts_file):
         p.error("give one of --prompt, --prompt-ids, --prompts-file or --chat")
@@ -410,6 +428,20 @@ def tau_of(args, ck, metric):
     return tau
 
 
+def open_model(args):
+    """The checkpoint, its model the reference (float32, plain) or, with --fast, --compile or a
+    low-precision --dtype, the engine (fast.make_fast) -> (Checkpoint, what runs, in words)."""
+    args.fast = args.fast or args.compile or args.dtype in ("auto", "bfloat16", "float16")
+    dtype, why = choose_dtype(args.dtype or ("auto" if args.fast else "float32"), args.device)
+    ck = load_checkpoint(args.ckpt, args.device, dtype)
+    if not args.fast:
+        return ck, f"{dtype_name(dtype)}: the reference (--fast for the engine)"
+    import fast  # the engine, only when asked for: the reference never loads it
+
+    fast.make_fast(ck.model, compile=args.compile)
+    return ck, f"{dtype_name(dtype)}: {why}; the engine{', compiled' if args.compile else ''}"
+
+
 def run(args):
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
@@ -418,11 +450,8 @@ def run(args):
         check_tau(args.tau, sampling.accept_metric)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype, why = choose_dtype(args.dtype, args.device)
-    ck = load_checkpoint(args.ckpt, args.device, dtype)
-    print(f"[{dtype_name(dtype)}: {why}]", file=sys.stderr)  # said once it loaded
-    if args.compile:
-        compile_decoding(ck.model)
+    ck, why = open_model(args)
+    print(f"[{why}]", file=sys.stderr)  # said once it loaded
     args.tau = tau_of(args, ck, sampling.accept_metric)
     if args.chat and ck.tok is None:
         raise ValueError(f"--chat needs a tokenizer, and {args.ckpt} has no tokenizer files")

@@ -1,33 +1,29 @@
 """Qwen2 / Qwen2.5 decoder, written by hand, loading Hugging Face safetensors directly.
 
-This is the plain autoregressive model that MARS fine-tunes. MARS adds no
-parameter, head or module (docs/spec.md §1-§3): everything the method needs from the
-model is the freedom to pass
+This is the plain autoregressive model that MARS fine-tunes. MARS adds no parameter, head
+or module (docs/spec.md §1-§3): all the method needs from the model is the freedom to pass
+explicit position ids (the noisy stream re-uses the clean stream's positions, §3), an
+explicit boolean attention mask (the two-stream mask of §3, exact mode's mask of §8,
+padding; True = "may attend"), and a KV cache (kvcache.KVCache) of processed tokens (§6).
 
-  * explicit position ids  (the noisy stream re-uses the clean stream's positions, §3),
-  * an explicit boolean attention mask (the two-stream mask of §3, the exact-mode
-    verify/draft mask, padding), True = "may attend",
-  * a KV cache (kvcache.KVCache) that holds already-processed tokens (§6).
+Numerics follow transformers' Qwen2 so that logits agree to ~1e-6 in fp32: RMSNorm in fp32
+then cast back before the weight; rotate-half RoPE with inv_freq in fp32 and cos/sin cast to
+the activation dtype; q/k/v with bias, o without; softmax in fp32 (scaled_dot_product_attention);
+residual adds in the model dtype. Parameter names are HF's (model.layers.N.self_attn.q_proj,
+...), so a checkpoint loads by name and what we save loads in transformers. config.json
+model types: `qwen2`; `a2d-qwen2` (the authors' released MARS checkpoints: plain Qwen2
+weights under another name); `llama` without rope scaling or biases (e.g. SmolLM2, via
+scripts/convert_gguf.py), built with no bias tensors so it saves back as `llama`.
 
-Numerics follow transformers' Qwen2 so that logits agree to ~1e-6 in fp32:
-RMSNorm in fp32 then cast back before the weight; rotate-half RoPE with inv_freq
-in fp32 and cos/sin cast to the activation dtype; q/k/v with bias, o without;
-softmax in fp32 (scaled_dot_product_attention); residual adds in the model dtype.
-Parameter names are HF's (model.layers.N.self_attn.q_proj, ...), so a
-checkpoint loads by name and what we save loads in transformers.
-
-Which config.json files load (`Qwen2Config.from_hf_dict`): `qwen2` (Qwen2 / Qwen2.5);
-`a2d-qwen2`, the authors' released MARS checkpoints, which are plain Qwen2 weights under
-another name; and `llama` without rope scaling or biases (e.g. SmolLM2, converted by
-scripts/convert_gguf.py). A Llama model is a Qwen2 model without the q/k/v biases: we
-build it with no bias tensors (`attention_bias=False`) rather than with zero ones, so
-it has exactly the checkpoint's parameters and saves back as a `llama` config.json.
+This is the reference: nn.Linear, one attention function, in the weights' dtype (float32,
+or float64 for a student stepping through it). It never asks which machine it runs on. What
+makes decoding fast (weights packed for oneDNN, row tiles that make bf16 batch-invariant, a
+static cache, a compiled step) is fast/, which swaps modules of a loaded model from outside
+and is proven equal to this file.
 """
 
-import itertools
 import math
 import os
-import weakref
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -35,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from kvcache import KVCache, round_up
+from kvcache import KVCache
 from util.atomic import atomic_write, write_json
-from util.files import BadFileError, check_fields, open_safetensors, read_json_object
-from util.precision import LOW_PRECISION, cpu_bf16_units, dtype_name, onednn_packs_bf16
+from util.files import BadFileError, check_fields, check_hf_config, read_json_object, read_weights
+from util.precision import dtype_name
 
 # config.json model_type -> whether q/k/v carry biases (the only difference we model)
 MODEL_TYPES = {"qwen2": True, "a2d-qwen2": True, "llama": False}
@@ -78,7 +74,7 @@ class Qwen2Config:
             raise BadFileError(source, f"unsupported model_type {model_type!r} "
                                        f"(implemented: {', '.join(MODEL_TYPES)})")
         d = dict(d)
-        _check_supported(d, model_type, source)
+        check_hf_config(d, model_type, source)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if "rope_theta" not in d and "rope_theta" in rope:  # transformers >= 5 nests it
             d["rope_theta"] = rope["rope_theta"]
@@ -120,24 +116,6 @@ class Qwen2Config:
         return d
 
 
-def _check_supported(d: dict, model_type: str, source: str):
-    """Refuse the config.json settings that change the computation and that we do not build."""
-    if d.get("use_sliding_window"):
-        raise BadFileError(source, "use_sliding_window=true is not supported")
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise BadFileError(source, f"unsupported rope type {rope!r}")
-    if d.get("hidden_act", "silu") != "silu":
-        raise BadFileError(source, f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
-    if model_type == "llama":
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise BadFileError(source, f"{key}=true is not supported for a llama model "
-                                           "(only Llama without biases)")
-        if d.get("pretraining_tp", 1) != 1:
-            raise BadFileError(source, f"pretraining_tp={d['pretraining_tp']} is not supported")
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -169,82 +147,16 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Linear(nn.Linear):
-    """nn.Linear, plus an optional second copy of the weight packed for oneDNN's CPU matmul
-    (`pack_for_decoding`). The packed copy is used only where no gradient is wanted (decoding),
-    on CPU inputs of the weight's dtype (fp32 or bf16), and only while the weight is the one it
-    was packed from (same storage, no in-place change since): otherwise, and always in
-    training, this is F.linear.
-
-    Row invariance (bf16, fp16; see "Row invariance" below): without gradients the rows go
-    through the matmul in tiles of exactly ROW_TILE rows, so every call has one shape."""
-
-    packed = None  # (weight key, packed tensor), set by pack_for_decoding
-    # oneDNN keeps a buffer of the output's size for every row count it has run, so the packed
-    # copy serves small row counts only (a bounded set: ROW_TILE in bf16); prefills and
-    # teacher-forced forwards of fp32 models take F.linear, whose cost per row is low there
-    packed_max_rows = 64
-
-    def forward(self, x):
-        if torch.is_grad_enabled() or x.dtype not in LOW_PRECISION:
-            return self.product(x)
-        rows = x.reshape(-1, x.shape[-1])  # (M, C_in)
-        return in_tiles(self.product, rows, row_tile(x.device)).reshape(*x.shape[:-1], -1)
-
-    def product(self, x):
-        p = self.packed
-        if p is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype and x.is_cpu \
-                and x.numel() <= self.packed_max_rows * x.shape[-1]:
-            if torch.compiler.is_compiling():  # one opaque call in the graph (inductor cannot trace oneDNN's)
-                return packed_linear(x, self.weight, self.bias, self.slot)
-            return from_packed(p, x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def from_packed(packed, x, weight, bias):
-    """x @ weight.T + bias from `packed` (a Linear's packed copy, or None), or F.linear if `weight`
-    is not the one it was packed from (another storage, or changed in place since)."""
-    if packed is None or packed[0] != _weight_key(weight):
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
-
-
-_SLOTS = itertools.count()
-PACKED = weakref.WeakValueDictionary()  # slot -> a Linear with a packed copy (a compiled step names it so)
-
-
-def _packed_linear(x, weight, bias, slot):
-    """Linear.product's packed matmul as one opaque call of a compiled step (inductor cannot
-    trace oneDNN's packed op; its own fp32 prepacking, MKL's, is 1.6x slower at 9 rows here):
-    the packed copy of Linear PACKED[slot], or F.linear if `weight` is not the one it was packed
-    from. A plain library op: torch.library.custom_op's wrapper costs ~100 us a call."""
-    m = PACKED.get(slot)
-    return from_packed(None if m is None else m.packed, x, weight, bias)
-
-
-_LIB = torch.library.Library("mars", "DEF")
-_LIB.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")
-_LIB.impl("packed_linear", _packed_linear, "CPU")
-torch.library.register_fake("mars::packed_linear", lambda x, weight, bias, slot:
-                            x.new_empty(*x.shape[:-1], weight.shape[0]), lib=_LIB)
-packed_linear = torch.ops.mars.packed_linear
-
-
-def _weight_key(w):
-    """What identifies a weight's values cheaply: its storage and in-place version counter."""
-    return w.data_ptr(), w._version
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen2Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias  # Qwen2: q/k/v biases; Llama: none
-        self.q_proj = Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.o_proj = Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, mask, cache=None):
         N, T, _ = x.shape
@@ -257,11 +169,12 @@ class Attention(nn.Module):
             # the new K/V go into the cache slots right after each row's committed
             # tokens; we attend over the cached prefix plus these new slots
             k, v = cache.write(self.layer_idx, k, v)  # (N, nkv, S, hd)
-        if cache is not None and cache.fixed_shapes:  # LOW_PRECISION decoding: row invariance
-            y = attend_tiled(q, k, v, mask, self.hd ** -0.5)  # (N, nh, T, hd)
-        else:
-            y = attend(q, k, v, mask, self.hd ** -0.5)
+        y = self.attention(q, k, v, mask)  # (N, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(N, T, self.n_head * self.hd))
+
+    def attention(self, q, k, v, mask):
+        """`attend` at this layer's scale 1/sqrt(hd)."""
+        return attend(q, k, v, mask, self.hd ** -0.5)
 
 
 CAUSAL = "causal"  # build_mask's mask for plain causal attention over T == S tokens: no mask tensor
@@ -276,81 +189,6 @@ class TwoStreamMask:
     stream's queries against all T keys with the explicit `rows`; the (T, T) mask is never
     materialised. Equal to the full mask as a tensor (tests/test_fast_paths.py)."""
     rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
-
-
-# ------------------------------------------------------------------ row invariance
-# A bf16 (or fp16) output keeps 8 significant bits, so two summation orders of the same row,
-# equal to ~1e-7 in fp32, round apart now and then, and the next layers carry that ulp on.
-# Matmul and attention kernels pick their summation order by the shape of the call (oneDNN:
-# AMX tiles, AVX-512 or AVX2 code and how to split a sum over threads; cuBLAS and the CUDA
-# attention kernels: tiles and split-K), so the same row could come out differently alone
-# (an AR step), among a batch, or among exact mode's drafts. Exact mode is exact only if it
-# does not (exact.py). So in LOW_PRECISION, without gradients, decoding calls each kernel at
-# ONE shape whatever the batch, the decoder or the step:
-#   * every Linear: tiles of exactly `row_tile` rows (the rows of all batch rows together,
-#     the last tile padded): 16 on a CPU with bf16 units, where the packed matmul streams
-#     the weights once for up to 16 rows at about one row's cost; 1 (each row alone) on a
-#     CPU that emulates bf16, where every row costs its own arithmetic anyway; 128 on CUDA;
-#   * every attention over a KV cache: tiles of exactly QUERY_TILE query rows against the
-#     whole cache, whose slot count is a multiple of kvcache.KEY_BLOCK (slots a row may not
-#     see are masked; a fully masked key block adds exact zeros).
-# What this assumes of a kernel is only that it gives every row of one call the same
-# arithmetic (true of a matmul: a row is one sum per output, whatever its neighbours), and
-# that attention treats each (batch row, head) as its own problem. tests/test_bf16.py proves
-# the construction with kernels made to sum differently at every shape.
-ROW_TILE = {"cpu": 16, "cpu without bf16 units": 1, "cuda": 128}
-QUERY_TILE = 32  # the CPU's flash attention splits queries in blocks of 32 below 192 queries
-
-
-_cpu_row_tile = []  # the CPU's row tile, asked once: the answer holds for the process
-
-
-def row_tile(device):
-    """Rows per matmul call in LOW_PRECISION decoding on `device` (one number per machine)."""
-    if device.type == "cuda":
-        return ROW_TILE["cuda"]
-    if not _cpu_row_tile:
-        _cpu_row_tile.append(ROW_TILE["cpu" if cpu_bf16_units()[0] else "cpu without bf16 units"])
-    return _cpu_row_tile[0]
-
-
-def padded(x, n, dim):
-    """x and copies of its first row along `dim`, n rows in all (the tiles' padding)."""
-    shape = x.shape[:dim] + (n - x.shape[dim],) + x.shape[dim + 1:]
-    return torch.cat([x, x.narrow(dim, 0, 1).expand(shape)], dim)
-
-
-def in_tiles(f, x, n):
-    """f over the rows of x (M, C) in calls of exactly n rows, the last tile padded -> (M, C')."""
-    M = x.shape[0]
-    x = padded(x, -(-M // n) * n, 0)
-    return torch.cat([f(t) for t in x.split(n)])[:M]
-
-
-def tiled_mask(mask, g, dtype):
-    """attend_tiled's mask, made once per forward for every layer: mask (N, 1, T, S) bool ->
-    (N, 1, n, S) in `dtype`, row j*T + t the mask of query t (for each of the g query heads
-    that share a kv head), n = g*T rounded up to QUERY_TILE rows; 0 where a row may attend and
-    -inf elsewhere, the additive mask sdpa makes of a bool one (so the same arithmetic)."""
-    T = mask.shape[2]
-    allowed = padded(mask.repeat(1, 1, g, 1), round_up(g * T, QUERY_TILE), 2)  # (N, 1, n, S) bool
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill(~allowed, float("-inf"))
-
-
-def attend_tiled(q, k, v, mask, scale):
-    """`attend` at one shape per call (LOW_PRECISION decoding over a KV cache, see above): q (N,
-    nh, T, hd) over the whole cache k, v (N, nkv, S, hd), mask (N, 1, n, S) from `tiled_mask`.
-    The g query heads that share a kv head become query rows of that head (grouped-query
-    attention without copying K/V), and those g*T rows go to sdpa QUERY_TILE at a time."""
-    N, nh, T, hd = q.shape
-    nkv, n = k.shape[1], mask.shape[2]  # n: g*T query rows, padded to whole tiles by tiled_mask
-    g = nh // nkv
-    assert mask.dtype != torch.bool and n == round_up(g * T, QUERY_TILE), "the mask is tiled_mask's"
-    rows = padded(q.reshape(N, nkv, g * T, hd), n, 2)  # row j*T + t: query t of head kv*g + j
-    y = torch.cat([F.scaled_dot_product_attention(rows[:, :, i:i + QUERY_TILE], k, v, scale=scale,
-                                                  attn_mask=mask[:, :, i:i + QUERY_TILE])
-                   for i in range(0, n, QUERY_TILE)], 2)  # (N, nkv, n, hd)
-    return y[:, :, :g * T].reshape(N, nh, T, hd)
 
 
 def attend(q, k, v, mask, scale):
@@ -376,9 +214,9 @@ def attend(q, k, v, mask, scale):
 class MLP(nn.Module):
     def __init__(self, cfg: Qwen2Config):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -414,7 +252,7 @@ def build_mask(T, attn_mask=None, cache=None):
     True = may attend, or a TwoStreamMask; None means plain causal. With a cache (placed
     by cache.begin), every committed cached token of the row is visible as well, and the
     new tokens sit at slots lengths[b] .. lengths[b]+T-1, so the mask is placed at that
-    offset per row: (N, 1, T, S), S = cache.span.
+    offset per row: (N, 1, T, S), S = cache.end.
     """
     if cache is None:
         if attn_mask is None:
@@ -424,8 +262,8 @@ def build_mask(T, attn_mask=None, cache=None):
         return attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask[:, None]
     if isinstance(attn_mask, TwoStreamMask):
         raise ValueError("a TwoStreamMask is a training mask: it takes no KV cache")
-    lengths, S = cache.lengths, cache.span  # (N,), int (span: end; the whole cache in bf16)
-    if attn_mask is None and T == 1 and cache.at is not None and S == cache.end and not cache.fixed_shapes:
+    lengths, S = cache.lengths, cache.end  # (N,), int: the slots attention reads
+    if attn_mask is None and T == 1 and cache.at is not None and S == cache.at + 1:
         return None  # one new token per row, all rows at the same slot: it sees every key
     j = torch.arange(S, device=lengths.device)
     if attn_mask is None:  # causal from each row's length: new token t sees slots <= lengths[b] + t
@@ -448,12 +286,11 @@ class Qwen2(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gradient_checkpointing = False
-        self.compiled_hidden = None  # set by compile_decoding: decoding steps run through it
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Final-norm hidden states (N, T, C); the LM head is applied by the caller.
@@ -470,10 +307,7 @@ class Qwen2(nn.Module):
             position_ids = torch.arange(T, device=idx.device)[None].expand(N, T)
             if cache is not None:
                 position_ids = position_ids + cache.lengths[:, None]
-        mask = build_mask(T, attn_mask, cache)
-        if cache is not None and cache.fixed_shapes:  # row invariance: attend_tiled's mask
-            mask = tiled_mask(mask, self.config.num_attention_heads // self.config.num_key_value_heads,
-                              cache.k.dtype)
+        mask = self.attention_mask(T, attn_mask, cache)
         x = self.model.embed_tokens(idx)  # (N, T, C)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         for layer in self.model.layers:
@@ -487,13 +321,17 @@ class Qwen2(nn.Module):
         """Logits (N, T, V) for every position."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
 
-    def step(self, idx, position_ids=None, attn_mask=None, cache=None):
-        """`hidden` for one decoding step over a KV cache: the compiled step when
-        compile_decoding ran (its cache is then static), else `hidden` itself. Decoders call
-        this for every forward of a fixed shape, and `hidden` for the prefill."""
-        if self.compiled_hidden is None:
-            return self.hidden(idx, position_ids, attn_mask, cache)
-        return self.compiled_hidden(self, idx, position_ids, attn_mask, cache.k, cache.v, cache.lengths)
+    def attention_mask(self, T, attn_mask=None, cache=None):
+        """The mask every layer's attention reads for T new tokens: `build_mask`'s."""
+        return build_mask(T, attn_mask, cache)
+
+    def new_cache(self, batch_size, max_len, step=1):
+        """An empty KV cache in this model's dtype and device for `batch_size` rows of up to
+        `max_len` committed tokens, with room for one forward of `step` tokens past them (the
+        widest forward a decoder runs: its masks and drafts are written, never committed)."""
+        cfg, p = self.config, self.lm_head.weight
+        return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
+                       max_len, step, p.dtype, p.device)
 
     # ------------------------------------------------------------------ I/O
     @classmethod
@@ -507,26 +345,9 @@ class Qwen2(nn.Module):
         expected = {k: v.shape for k, v in model.state_dict().items()}
         if cfg.tie_word_embeddings:
             expected.pop("lm_head.weight")
-        state = {}
-        by_file = {}
-        for key, file in _weight_files(path).items():
-            by_file.setdefault(file, []).append(key)
-        for file, keys in by_file.items():
-            with open_safetensors(file, device) as f:
-                for key in keys:
-                    if key == "lm_head.weight" and cfg.tie_word_embeddings:
-                        continue  # some tied checkpoints store the head too; it is the embedding
-                    if key not in expected:
-                        raise KeyError(f"{file}: unexpected key {key!r} (not a parameter of the "
-                                       f"{cfg.to_hf_dict()['model_type']} model config.json describes)")
-                    t = f.get_tensor(key)
-                    if t.shape != expected[key]:
-                        raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(expected[key])} from config.json")
-                    state[key] = t.to(dtype)
-        missing = sorted(set(expected) - set(state))
-        if missing:
-            raise KeyError(f"{path}: missing weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()  # some tied checkpoints store it too
+        what = f"the {cfg.to_hf_dict()['model_type']} model config.json describes"
+        state = read_weights(path, expected, dtype, device, skip, what)
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -548,92 +369,6 @@ class Qwen2(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # a tied matrix counts once
-
-
-def _weight_files(path):
-    """Map every tensor name to the safetensors file that holds it."""
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        with open_safetensors(single) as f:
-            return {k: single for k in f.keys()}
-    if os.path.isfile(index):
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
-            raise BadFileError(index, "no 'weight_map' object of tensor name -> file name")
-        out = {}
-        for key, name in weight_map.items():
-            file = os.path.join(path, name)
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"{index}: shard {name!r} (for {key!r}) not found")
-            out[key] = file
-        return out
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                            "(only safetensors weights are loaded)")
-
-
-def pack_for_decoding(model: Qwen2, rows: int = ROW_TILE["cpu"]) -> Qwen2:
-    """Give every fp32 or bf16 CPU `Linear` a copy of its weight packed once for oneDNN's matmul
-    (the ops torch.compile's CPU prepacking uses when the row count varies); in place, returns
-    the model; checkpoint.load_checkpoint calls it. `rows`: the row count oneDNN lays it out for.
-
-    Why: from the packed copy the 1-20 rows of a decoding step cost about one row's time, one
-    row less than through F.linear (SmolLM2, 2 threads: results/SPEED.md, issue 22 and 30).
-    Parameters, names, values and the head tie stay; training, gradients and a weight changed
-    since packing use F.linear. The price: a second copy of every weight matrix, and oneDNN's
-    buffers per row count (~220 MB for SmolLM2; larger forwards than `Linear.packed_max_rows`
-    take F.linear). Results differ from F.linear's by rounding only (tests/test_fast_paths, test_bf16).
-    bf16 weights stay unpacked where oneDNN refuses them (a CPU without AVX512BW/VL/DQ or
-    AVX-NE-CONVERT, or capped below them by ONEDNN_MAX_CPU_ISA): they decode through F.linear."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return model
-    dtypes = (torch.float32, torch.bfloat16) if onednn_packs_bf16() else (torch.float32,)
-    with torch.no_grad():
-        for module in model.modules():
-            w = module.weight if isinstance(module, Linear) else None
-            if w is not None and w.dtype in dtypes and w.is_cpu:
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
-                module.packed = (_weight_key(w), packed)
-                module.slot = next(_SLOTS)
-                PACKED[module.slot] = module
-    return model
-
-
-def static_hidden(model, idx, position_ids, attn_mask, k, v, lengths):
-    """model.hidden over a static cache made of the cache's own tensors (what compile_decoding
-    compiles: tensors in, so a new request's cache is no new input to guard on)."""
-    return model.hidden(idx, position_ids, attn_mask, KVCache.over(k, v, lengths))
-
-
-def compile_decoding(model: Qwen2, mode: str | None = None) -> Qwen2:
-    """Compile the model's decoding step with torch.compile (in place; returns the model).
-
-    Every decoder (generate.py, exact.py) then runs each forward of a fixed shape through the
-    compiled step, over a static KV cache (kvcache.py): one graph per decoder and batch,
-    compiled on first use, no recompile after. mode: torch.compile's; default "reduce-overhead"
-    on CUDA (CUDA graphs: one launch per step) and inductor's default on the CPU, where the
-    matmuls of packed weights stay the eager step's oneDNN calls (op mars::packed_linear, which
-    inductor keeps opaque) and inductor fuses the rest; the cache is written in place
-    (KVCache.write's index_put_, no copy of it). (`options={"freezing": True}` of torch 2.13 left
-    the graph as it was here, and inductor's own fp32 prepacking, MKL's, is slower than
-    oneDNN's at 9 rows: not used.) Prefills (any length) stay eager. The arithmetic is the eager
-    step's, fused: in fp32 it may round apart (tests/test_compile.py measures how far); in bf16
-    the row-invariance tiles are in the graph. On the CPU, `emulate_precision_casts` keeps the
-    eager step's roundings to bf16 between ops that fusion would otherwise skip (the fp32
-    arithmetic in between may still differ; SmolLM2, 12 prompts, 48 tokens, AMD EPYC with
-    AVX512-BF16: 10/12 replies = eager with it, 8/12 without; results/SPEED.md). Not on CUDA,
-    where it also turns off Triton's fused multiply-adds, unmeasured there."""
-    device = next(model.parameters()).device
-    row_tile(device)  # asked before tracing: the CPU check is no graph to compile
-    mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
-    # torch.compile takes a mode or options, not both: the mode's options, and ours
-    options = dict(torch._inductor.list_mode_options(mode), emulate_precision_casts=device.type == "cpu")
-    # one graph per decoder, batch size and dtype, all of the one function static_hidden: past
-    # dynamo's default of 8 a new shape would run eagerly, silently (bench_decode's 2 dtypes x
-    # 4 decoders x 2 batch sizes did); 64 graphs per function, as many as the 256 in all allow
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    model.compiled_hidden = torch.compile(static_hidden, dynamic=False, options=options)
-    return model
 
 
 def init_weights(model: Qwen2, std: float = 0.02, seed: int | None = None):

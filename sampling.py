@@ -5,8 +5,7 @@ decoders (generate.py, exact.py) call these on the logits they read.
   Sampling(temperature, top_k, top_p, seed, accept_metric)   the settings (frozen, checked)
   processed_probs(logits, s)   temperature, then top-k, then top-p, then softmax: exactly
                                Hugging Face's warpers, in HF's order, >= 1 token kept
-  argmax(logits)               the float32 argmax, first index on ties (torch.argmax's
-                               answer), by block maxima on the CPU: its argmax is slow
+  argmax(logits)               the float32 argmax, first index on ties
   pick(logits, s, gens)        temperature 0: argmax (the greedy rule of §5.2, unchanged);
                                else one draw from processed_probs
   confidence / confident       the number compared with τ (§5.3-4) and the comparison
@@ -87,25 +86,10 @@ def row_generators(seed, n_rows, device):
 
 
 # ---------------------------------------------------------------- the greedy token
-def argmax(logits, width=128):
-    """torch.argmax(logits.float(), -1): the index of the largest entry, the first one on
-    ties, NaN counted as the largest (as torch's), whatever the device.
-
-    On the CPU torch's argmax kernel is not vectorised, while its max is: for 9 x 49,152
-    logits (an exact K = 2 step on SmolLM2) argmax takes 210 µs and this 45 (AMD EPYC, 2
-    threads; results/SPEED.md). So there it reads the vocabulary in blocks of `width`: the
-    maximum of each block (amax, which keeps NaN), the first block whose maximum is the
-    largest, and the first largest inside that block, which is the first largest of all.
-    Proved equal to torch.argmax on ties, NaN, infinities and signed zeros in
-    tests/test_sampling.py."""
-    x = logits.float()
-    V = x.shape[-1]
-    if x.device.type != "cpu" or V % width or x.numel() == 0:  # on a GPU argmax is fast
-        return x.argmax(-1)
-    blocks = x.unflatten(-1, (V // width, width))  # (..., V/width, width)
-    first = blocks.amax(-1).argmax(-1, keepdim=True)  # (..., 1): the block of the first largest
-    inside = blocks.gather(-2, first[..., None].expand(*first.shape, width))[..., 0, :]  # (..., width)
-    return first[..., 0] * width + inside.argmax(-1)
+def argmax(logits):
+    """The index of the largest float32 logit, the first one on ties (NaN counts as the
+    largest): the greedy token of §5.2."""
+    return logits.float().argmax(-1)
 
 
 # ---------------------------------------------------------------- the distribution

@@ -41,6 +41,9 @@ class Settings:
     ar_target: str = "tokens"  # L_AR: "tokens" = CE (§4); "teacher" = KL to the top-k teacher in the data
     inv_t_weight: bool = False  # "w/o L_AR" as released: each row's noisy loss x 1/t, t ~ U[1e-3, 1) (§4)
     freeze_vocab: bool = False  # beyond the paper: the embedding and LM head stay fixed, but the mask row
+    # how the MARS forward runs (the same loss and gradients: tests/test_fast_paths.py)
+    two_stream: bool = True  # clean stream plain causal, no (2l, 2l) mask; False: the full mask tensor of §3
+    trim_noisy: bool = True  # leave out the noisy blocks no loss reads (prompt, padding); False: all 2l
     # optimisation (§7)
     ar_steps: int = 4000
     mars_steps: int = 1000
@@ -79,7 +82,7 @@ class Settings:
 # settings that may differ when resuming (they do not change the trajectory's maths)
 RESUME_FREE = {"data_dir", "out_dir", "init_from", "tokenizer", "log_interval", "eval_interval", "eval_rows",
                "ckpt_interval", "resume", "eval_at_end", "device", "compile", "gradient_checkpointing",
-               "micro_batch_size", "gpu_mem_gb"}
+               "micro_batch_size", "gpu_mem_gb", "two_stream", "trim_noisy"}
 
 
 def parse_settings(argv):

@@ -72,7 +72,7 @@ class StageLoss(nn.Module):
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
         return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
-                         trim_noisy=True, ar_teacher=teacher,  # noisy blocks no loss reads: not forwarded
+                         two_stream=S.two_stream, trim_noisy=S.trim_noisy, ar_teacher=teacher,
                          noisy_row_weight=row_weight)
 
 

@@ -1,7 +1,9 @@
 """What a multi-token decoding step costs against an AR step (issue 22). Not a test.
 
-On one checkpoint, in one run, for each batch size and each --dtype (comma-separated: float32
-and bfloat16 side by side by default, each with its weights packed for oneDNN): our AR decoder
+On one checkpoint, in one run, for each batch size: the reference (float32, the plain model
+of model.py, as `python generate.py` decodes) and, for each --dtype (comma-separated: float32
+and bfloat16 side by side by default), the engine (fast.make_fast: weights packed for oneDNN,
+row tiles in bf16, the block-maxima argmax; `generate.py --fast`), each running our AR decoder
 (generate.ar_decode), the τ-gated loop with the window cache (generate.mars_decode, docs/spec.md
 §5-§6) and exact mode for each K (exact.exact_steps), all greedy. The decoders run interleaved
 step by step (one forward of each dtype's AR, τ, exact K=1, ..., then the next forward of each),
@@ -14,25 +16,26 @@ rounds of one round's value.
   tok/fwd    generated tokens per row and forward: all rows' tokens / (forwards x rows)
   limit      the speedup if a step cost an AR step: tok/fwd over AR's (= 1 per row)
   speedup    wall clock, AR's seconds per token over the decoder's (prefill included)
-  x fp32     (AR rows) the first dtype's AR ms/fwd over this dtype's, same round: what the
-             dtype buys an AR step
+  x ref      (AR rows) the reference's AR ms/fwd over this AR's, same round: what the
+             engine (and its dtype) buys an AR step
 
-Every ratio but x fp32 is against the same dtype's AR. Exact mode must give that AR's tokens
-(in bf16 too: model.Linear, kvcache.py): each row says so, and the script exits with status 1 if
-one does not. --profile adds, at batch 1, where one decoder's forward goes (profiler, one
+Every ratio but x ref is against the same engine's and dtype's AR. Exact mode must give that AR's
+tokens (in bf16 too: fast/linear.py, fast/cache.py): each row says so, and the script exits with
+status 1 if one does not. --profile adds, at batch 1, where one decoder's forward goes (profiler, one
 run each): the linears, the LM head (the matmuls with V output columns), attention (sdpa),
 the rest of the ops (norms, RoPE, masks, cache writes, the acceptance code), and what is
 left of the wall time (Python and dispatch); host syncs = item() calls per forward.
 --layouts times one forward's matmuls at 1-17 rows through F.linear (the weights as stored) and
-from the weights packed for oneDNN (model.pack_for_decoding, which checkpoint.load_checkpoint
-applies; --unpacked drops the packed copies, so the decoders run on F.linear: the before / after).
+from the weights packed for oneDNN (fast/linear.py; --unpacked drops the engine's packed copies,
+so its decoders run on F.linear: the before / after).
 
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --batch-sizes 1,4,16
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --dtype float32 --profile --layouts
   python -m scripts.bench_decode --ckpt out/smollm2 --threads 2 --dtype auto --compile --drafts 2
 
---compile runs each decoder twice, eager and with its step compiled (model.compile_decoding;
-the row "NAME compiled"): x eager is the compiled ms/fwd over the eager one, =eager the share
+--compile runs each engine decoder twice, eager and with its step compiled (fast.step.compile_step,
+as `generate.py --compile`; the row "NAME compiled"): x eager is the compiled ms/fwd over the
+eager one, =eager the share
 of rows whose reply equals the eager reply (fusion may round differently), and a compiled
 row's x AR and "== AR" are against the compiled AR. After each batch size: how many graphs
 torch.compile built after the warm-up round (0: no recompile).
@@ -46,15 +49,16 @@ import time
 import torch
 
 from exact import exact_steps
+from fast.linear import FastLinear, pack
+from fast.step import compile_step
 from generate import ar_decode, mars_decode
-from model import Linear, compile_decoding, pack_for_decoding
 from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
 from util.precision import dtype_name
 
 
 def decoders(args, model, mask_id, eos_ids):
     """name -> prompts -> a greedy step generator, AR first (the reference of every ratio);
-    with --compile each again as "NAME compiled", its steps through model.compile_decoding."""
+    with --compile (engines only) each again as "NAME compiled", its steps through the compiled step."""
     n, B = args.new_tokens, args.block_size
     out = {"our AR": lambda p: ar_decode(model, p, n, eos_ids)}
     out[f"tau={args.tau} B={B} window"] = lambda p: mars_decode(
@@ -66,9 +70,9 @@ def decoders(args, model, mask_id, eos_ids):
     for K in args.drafts:
         out[f"exact K={K} B={B}"] = lambda p, K=K: exact_steps(
             model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
-    if args.compile:
-        step = compile_decoding(model).compiled_hidden
-        model.compiled_hidden = None
+    if args.compile and getattr(model, "compiled", False) is None:  # an engine, not yet compiled
+        step = compile_step(model).compiled
+        model.compiled = None
         out.update({f"{name} compiled": compiled_run(model, step, dec) for name, dec in list(out.items())})
     return out
 
@@ -79,11 +83,11 @@ def compiled_run(model, step, dec):
     def run(prompts):
         steps = dec(prompts)
         while True:
-            model.compiled_hidden = step
+            model.compiled = step  # the cache a decoder makes in its first step is then static
             try:
                 s = next(steps, None)
             finally:
-                model.compiled_hidden = None
+                model.compiled = None
             if s is None:
                 return
             yield s
@@ -142,7 +146,7 @@ def summarise(run, ar, eager=None):
 
 def bench_batch(decs, tok, model, mask_id, batch, rounds):
     """Interleaved rounds (the first a warm-up) -> (dtype, name) -> list of per-round summaries.
-    decs: dtype -> name -> decoder; the first dtype's AR is the reference of x fp32."""
+    decs: engine -> name -> decoder; the first's (the reference's) AR is the reference of x ref."""
     out = {(dt, name): [] for dt in decs for name in decs[dt]}
     first = next(iter(decs))
     for r in range(rounds + 1):
@@ -163,8 +167,8 @@ def bench_batch(decs, tok, model, mask_id, batch, rounds):
 def report(results, batch, rounds):
     """Print one batch size's table -> the number of exact decoders that differ from their AR."""
     print(f"batch {batch} (median of {rounds} rounds after a warm-up, decoders interleaved step by step)")
-    print(f"  {'dtype':<9} {'decoder':<33} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
-          f"{'speedup':>8} {'x fp32':>7} {'x eager':>8} {'=eager':>7}")
+    print(f"  {'engine':<21} {'decoder':<33} {'ms/fwd':>7} {'x AR':>6} {'tok/fwd':>8} {'limit':>6} "
+          f"{'speedup':>8} {'x ref':>7} {'x eager':>8} {'=eager':>7}")
     differ = 0
     for (dt, name), rs in results.items():
         keys = ("fwd", "x_ar", "tpf", "limit", "speedup", "x_first")
@@ -180,7 +184,7 @@ def report(results, batch, rounds):
             eager = (f" {statistics.median(r['x_eager'] for r in rs):7.2f}x "
                      f"{sum(r['eq_eager'] for r in rs) / len(rs):6.0%}"
                      + (f" (first difference at token {min(firsts)}-{max(firsts)})" if firsts else ""))
-        print(f"  {dt:<9} {name:<33} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
+        print(f"  {dt:<21} {name:<33} {1000 * med['fwd']:7.1f} {med['x_ar']:6.2f} {med['tpf']:8.2f} "
               f"{med['limit']:6.2f} {med['speedup']:7.2f}x {x_first:>7}{eager}{check}")
     return differ
 
@@ -227,10 +231,10 @@ def profile(decs, tok, model, mask_id):
 @torch.no_grad()
 def layouts(model, rows=(1, 2, 4, 5, 9, 17), rounds=9):
     """The matmuls of one forward at M rows through F.linear on the stored weights and through
-    model.Linear's packed path (model.pack_for_decoding): every layer's linears, and the LM
+    the engine's packed path (fast.linear.FastLinear): every layer's linears, and the LM
     head, interleaved, median wall ms."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    packed = {id(m): pack_for_decoding(m).packed for m in linears}  # a module packs like a model
+    linears = [m for m in model.modules() if isinstance(m, FastLinear)]
+    packed = {id(m): pack(m).packed for m in linears}  # a module packs like a model
     layers = [m for m in linears if m is not model.lm_head]
     print("matmuls of one forward, wall ms (median of interleaved rounds): layers' linears | LM head")
     half = f"{'F.linear':>9} {'packed':>7} {'ratio':>6}"
@@ -266,13 +270,14 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (after one warm-up)")
     p.add_argument("--profile", action="store_true", help="also profile each decoder at batch 1")
     p.add_argument("--layouts", action="store_true", help="also time one forward's matmuls at 1-17 "
-                   "rows through F.linear and from the packed weights (model.pack_for_decoding)")
-    p.add_argument("--compile", action="store_true", help="also run every decoder with its step compiled "
-                   "(model.compile_decoding), rows named 'NAME compiled'")
+                   "rows through F.linear and from the engine's packed weights (fast/linear.py)")
+    p.add_argument("--compile", action="store_true", help="also run every engine decoder with its step "
+                   "compiled (fast.step.compile_step), rows named 'NAME compiled'")
     p.add_argument("--block-cache", type=int, default=0, help="also the τ loop with the block cache of "
                    "this B_cache (0: not run)")
-    p.add_argument("--unpacked", action="store_true", help="drop the packed weights (F.linear on the "
-                   "weights as stored): pack_for_decoding's before / after, in two runs")
+    p.add_argument("--unpacked", action="store_true", help="drop the engine's packed weights (F.linear on "
+                   "the weights as stored): packing's before / after, in two runs")
+    p.add_argument("--no-reference", action="store_true", help="leave out the reference (float32, plain)")
     add_model_args(p, several_dtypes=True)
     args = p.parse_args()
     models = open_models(args)
@@ -281,7 +286,7 @@ def main():
     print(f"checkpoint {args.ckpt}: {ck.model.num_params() / 1e6:.1f}M params; greedy, "
           f"{args.new_tokens} new tokens, prompts: {'the chat questions' if ck.tok else 'random ids'} "
           f"({len(QUESTIONS)}), rotated per round; matmuls "
-          f"{'F.linear (unpacked)' if args.unpacked else 'packed (model.pack_for_decoding)'}")
+          f"{'F.linear (unpacked)' if args.unpacked else 'packed (fast/linear.py)'} in the engine")
     decs = {dt: decoders(args, c.model, c.mask_id, c.eos_ids) for dt, c in models.items()}
     differ = 0
     for batch in args.batch_sizes:
@@ -292,7 +297,7 @@ def main():
     if args.profile:
         profile(next(iter(decs.values())), ck.tok, ck.model, ck.mask_id)
     if args.layouts:
-        layouts(ck.model)
+        layouts(models[list(models)[-1]].model)
     if differ:
         print(f"{differ} exact decoder(s) differ from AR", file=sys.stderr)
         return 1
@@ -300,18 +305,23 @@ def main():
 
 
 def open_models(args):
-    """--dtype's names -> the checkpoint opened in each (packed, unless --unpacked); the first
-    call makes the random tiny model when there is no --ckpt, the others open the same one."""
+    """"reference" -> the checkpoint opened as the plain float32 model (unless --no-reference),
+    then "engine DTYPE" for each of --dtype's names -> the checkpoint opened in it and made fast
+    (packed, unless --unpacked); the first call makes the random tiny model when there is no
+    --ckpt, the others open the same one."""
     models = {}
+    if not args.no_reference:
+        models["reference"] = load_for_bench(args, "bench_decode_", "float32", engine=False)
+        args.ckpt = args.ckpt or models["reference"].path
     for name in dtype_list(args.dtype):
-        ck = load_for_bench(args, "bench_decode_", name)
+        ck = load_for_bench(args, "bench_decode_", name)  # made fast
         args.ckpt = args.ckpt or ck.path
         if args.unpacked:
             for m in ck.model.modules():
-                if isinstance(m, Linear):
+                if isinstance(m, FastLinear):
                     m.packed = None
         dtype = dtype_name(next(ck.model.parameters()).dtype)
-        models[dtype if name != "auto" else f"auto={dtype}"] = ck
+        models["engine " + (dtype if name != "auto" else f"auto={dtype}")] = ck
     return models
 
 

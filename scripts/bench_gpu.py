@@ -7,8 +7,9 @@ ratios, not the tokens per forward, are what it measures). Sections run in order
 they answer, each only if the time budget (--minutes) still holds it, and the page is
 rewritten after each, so a run cut short keeps what it measured:
 
-  decode    our AR, the τ loop (window), exact K = 1, 2, 4, eager and compiled
-            (model.compile_decoding: CUDA graphs), and HF generate (dynamic and static cache)
+  decode    our AR, the τ loop (window), exact K = 1, 2, 4 through the engine (fast.make_fast),
+            eager and compiled (fast.step.compile_step: CUDA graphs), and HF generate (dynamic and
+            static cache)
             at batch 1, 4, 16, bf16, 64 new tokens: tokens/s, ms per step, x AR, GB/s of
             weights read against the card's bandwidth; graphs built after warm-up
             and, per batch, exact mode = AR (eager and compiled) and AR alone = AR in the batch
@@ -42,9 +43,11 @@ from dataclasses import dataclass
 
 import torch
 
+import fast
 from exact import generate_exact
+from fast.step import compile_step
 from generate import generate, generate_ar
-from model import Qwen2, Qwen2Config, compile_decoding, init_weights
+from model import Qwen2, Qwen2Config, init_weights
 from scripts.common import ints, machine
 from util.atomic import atomic_write
 
@@ -87,8 +90,18 @@ def bandwidth():
 
 
 def random_05b(seed=0):
-    """A random model of RUN's shape in bf16 on RUN's device."""
+    """A random model of RUN's shape in bf16 on RUN's device, the reference (decode_section makes
+    it the engine)."""
     return init_weights(Qwen2(Qwen2Config(**RUN.shape)), seed=seed).to(RUN.device, torch.bfloat16).eval()
+
+
+def engine(model):
+    """The engine over `model`, eager (fast.make_fast), and its compiled decoding step, set on
+    the model per decoder by run_ours: a decoder's cache is static iff `model.compiled` is set
+    when the decoder makes it -> (model, step)."""
+    step = compile_step(fast.make_fast(model)).compiled
+    model.compiled = None
+    return model, step
 
 
 def sync():
@@ -130,8 +143,9 @@ def our_decoders(model, new):
 
 def run_ours(model, step, name, dec, p, res):
     """Warm up (and compile) one decoder on one batch of prompts p, then time it (twice,
-    compiled) -> its row, appended to res."""
-    model.compiled_hidden = step
+    compiled) -> its row, appended to res. model: a fast.FastQwen2; step: its compiled step
+    (engine), or None: eager."""
+    model.compiled = step
     graphs0 = graph_count()
     dec(p)  # warm-up: compiles this shape when compiled
     warm = graph_count()
@@ -139,7 +153,7 @@ def run_ours(model, step, name, dec, p, res):
     for _ in range(2 if step else 1):
         dt, gens = timed(lambda: dec(p))
         times.append(dt)
-    model.compiled_hidden = None
+    model.compiled = None
     tokens, forwards = sum(len(g.ids) for g in gens), max(g.forwards for g in gens)
     dt = min(times)
     row = dict(
@@ -213,8 +227,7 @@ def decode_section(args, out, budget):
         rows=[],
     )
     rows = out["decode"]["rows"]
-    step = compile_decoding(model).compiled_hidden
-    model.compiled_hidden = None
+    model, step = engine(model)
     decs = our_decoders(model, args.new_tokens)
     for batch in args.batch_sizes:  # eager: no compile, a few seconds each
         for name, dec in decs.items():
@@ -252,9 +265,9 @@ def alone_rows(model, step, args, out, budget):
         name = "AR compiled" if compiled else "AR"
         for batch in args.batch_sizes[1:]:
             if (name, batch) in by and budget.left() > 60:
-                model.compiled_hidden = compiled
+                model.compiled = compiled
                 alone = [generate_ar(model, [x], args.new_tokens)[0].ids for x in prompts(batch, seed=batch)]
-                model.compiled_hidden = None
+                model.compiled = None
                 out["alone"].append(dict(check=f"{name} alone = {name} in the batch", batch=batch, rows=batch,
                                          rows_equal=sum(a == b for a, b in zip(alone, by[name, batch]))))
 
@@ -292,7 +305,7 @@ def toy_section(args, out, budget, work):
     if not os.path.isdir(path):
         raise RuntimeError(f"no checkpoint at {path}: the toy section needs section main before it")
     ck = load_checkpoint(path, RUN.device, torch.bfloat16)
-    model, B = ck.model, ck.block_size
+    (model, step), B = engine(ck.model), ck.block_size
     new = RUN.toy_tokens or args.new_tokens
     problems = read_jsonl(os.path.join("data", "default", "test.jsonl"))[: 2 * max(args.batch_sizes)]
     chats = [ck.tok.encode_chat(x["messages"][:-1], add_generation_prompt=True) for x in problems]
@@ -305,7 +318,6 @@ def toy_section(args, out, budget, work):
     out["toy"] = dict(model=f"the main job's MARS checkpoint (B = {B}), bf16", params=model.num_params(),
                       new_tokens=new, rows=[])
     rows = out["toy"]["rows"]
-    step = compile_decoding(model).compiled_hidden
     for compiled in (None, step):
         for batch in args.batch_sizes:
             for name, dec in decs.items():
@@ -314,7 +326,6 @@ def toy_section(args, out, budget, work):
                     run_ours(model, compiled, name, dec, p, rows)
         budget.save(out)
     out["toy"]["exact"] = exact_checks(rows)
-    model.compiled_hidden = None
 
 
 # ----------------------------------------------------------------------------- train

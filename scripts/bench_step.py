@@ -34,7 +34,6 @@ import torch
 import train
 from data.batches import make_batch, step_rows
 from generate import ar_decode
-from kvcache import KVCache
 from mars import mars_loss
 from model import Qwen2
 from settings import parse_settings
@@ -123,9 +122,8 @@ def forward_times(model, prompts, n, profile=False):
     """What ar_decode runs per token, without its bookkeeping: one token per row against the
     cache, commit, LM head at that token. -> per-token seconds, or with profile=True the
     kernels' self time per token (profiler)."""
-    N = len(prompts)
-    cache = KVCache.for_model(model, N, max(map(len, prompts)) + n + 1)
-    L = max(map(len, prompts))
+    N, L = len(prompts), max(map(len, prompts))
+    cache = model.new_cache(N, L + n)  # as ar_decode makes it
     padded = torch.tensor([p + [0] * (L - len(p)) for p in prompts])
     model.hidden(padded, cache=cache)
     cache.commit(torch.tensor([len(p) for p in prompts]))

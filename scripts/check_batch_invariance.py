@@ -1,7 +1,8 @@
 """Manual check (not a test): on a real checkpoint, is a reply the same alone and in a batch, and is
 exact mode AR? (issue 39; the tests prove it on tiny models and 2-3 prompts of SmolLM2.)
 
-Greedy, the general chat prompts (data/prompts.py CHAT), in the dtype asked: AR on each prompt
+Greedy, the general chat prompts (data/prompts.py CHAT), in the dtype asked, through the engine
+(fast.make_fast: batch invariance in bf16 is its claim, not the reference's): AR on each prompt
 alone, AR in batches of --batch, exact mode for each K in batches and alone; for each, how many
 replies equal AR alone, and where the first difference falls. Exit status 1 if one differs.
 
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+import fast
 from checkpoint import load_checkpoint
 from data.prompts import CHAT
 from exact import generate_exact
@@ -48,6 +50,7 @@ def main():
         ck = load_checkpoint(args.ckpt, "cpu", dtype)
     except USER_ERRORS as e:
         return error_line(e)
+    fast.make_fast(ck.model)
     print(machine("cpu"))
     print(f"{args.ckpt} in {dtype_name(dtype)} ({why}); {args.prompts} general prompts, "
           f"{args.new_tokens} new tokens, greedy, batches of {args.batch}")

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+import fast
 from checkpoint import load_checkpoint
 from model import Qwen2, Qwen2Config, init_weights
 from util.files import USER_ERRORS, error_line
@@ -125,10 +126,11 @@ def dtype_list(text):
     return names
 
 
-def load_for_bench(args, prefix, dtype=None):
+def load_for_bench(args, prefix, dtype=None, engine=True):
     """Apply --threads and open --ckpt (or a fresh random tiny model) with the checkpoint
     opener -> checkpoint.Checkpoint; its mask_id is --mask-id, else the checkpoint's, else
-    vocab_size-1 (a random model)."""
+    vocab_size-1 (a random model). engine: the model runs through the engine (fast.make_fast,
+    eager: what a bf16 exact = AR check needs); False: the reference as load_checkpoint opens it."""
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = args.ckpt or random_checkpoint(tempfile.mkdtemp(prefix=prefix))
@@ -136,6 +138,8 @@ def load_for_bench(args, prefix, dtype=None):
         ck = load_checkpoint(ckpt, args.device, choose_dtype(dtype or args.dtype, args.device)[0])
     except USER_ERRORS as e:  # a broken checkpoint: a message, not a traceback
         raise SystemExit(error_line(e)) from None
+    if engine:
+        fast.make_fast(ck.model)
     if args.mask_id is not None:
         ck.mask_id = args.mask_id
     elif ck.mask_id is None:

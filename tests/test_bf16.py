@@ -5,12 +5,14 @@ token for token, alone and in batches.
 Why exact mode can be exact in bf16 at all: a bf16 output keeps 8 significant bits, so two
 summation orders of the same row, equal to ~1e-7 in fp32, round to different bf16 values now
 and then, and the next layers carry that ulp on. Kernels choose their summation order by the
-shape of the call, and exact mode reads a row's AR token among other rows. So decoding in bf16
-calls every kernel at one shape (model.py, "Row invariance"). Two kinds of proof here:
+shape of the call, and exact mode reads a row's AR token among other rows. So the engine
+(fast.make_fast: fast/linear.py, "Row invariance") calls every kernel of a bf16 decode at one
+shape; the reference (model.py) makes no such promise, and every decode here that claims exact
+mode = AR or batch invariance runs on the engine. Two kinds of proof here:
   * by construction: with kernels made to round differently at every shape of call
-    (`shape_dependent_kernels`), AR alone, AR in a batch and exact mode alone and in a batch
-    still give the same tokens; and the same kernels break a decode whose shapes vary
-    (the proof can fail);
+    (`ShapeDependentKernels`), AR alone, AR in a batch and exact mode alone and in a batch
+    still give the same tokens; and the same kernels break a decode when any one of the
+    engine's devices is taken away (the proof can fail);
   * on this machine's real kernels (oneDNN at whatever instruction set the CPU has, or
     ONEDNN_MAX_CPU_ISA allows: test_every_isa_level_this_cpu_can_play re-runs them at each).
 
@@ -26,17 +28,23 @@ import pytest
 import torch
 
 import exact
+import fast
+import fast.argmax
+import fast.attention
+import fast.cache
+import fast.linear
+import fast.step
 import generate as generate_cli
-import model as model_py
+import sampling
 from data.prompts import CHAT
 from exact import generate_exact
+from fast.linear import FastLinear, pack
 from generate import generate_ar
-from kvcache import KVCache
-from model import Linear, Qwen2, Qwen2Config, init_weights, pack_for_decoding
+from model import Qwen2, Qwen2Config, init_weights
 from tests.conftest import make_hf_model
 from tokenizer import Tokenizer
 from util import precision
-from util.precision import choose_dtype, onednn_packs_bf16
+from util.precision import choose_dtype
 
 MASK = 15  # the <|mask|> id of the tiny models (never in a prompt)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,14 +66,42 @@ def test_auto_picks_bf16_where_the_cpu_has_bf16_units(monkeypatch, has):
         choose_dtype("bf16", "cpu")
 
 
-def test_the_capability_check_asks_torch_and_onednn():
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA, any case; its CPU dispatcher control docs), written out:
+# those at or above AVX512_CORE_BF16, which keep a CPU's bf16 units (AVX512-BF16, AMX) within
+# reach, and those below it, which make oneDNN emulate bf16 or refuse it
+CAPS_THAT_REACH_BF16 = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                        "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
+                        "AVX10_2_512", "AVX10_2_512_AMX_2")
+CAPS_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def onednn_takes_a_bf16_weight():
+    """Asked of oneDNN here, by packing a bf16 weight (another shape than the code's own probe)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 32, dtype=torch.bfloat16), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return torch.backends.mkldnn.is_available()
+
+
+def test_the_capability_check_asks_torch_and_onednn(monkeypatch):
     """cpu_bf16_units says yes exactly when torch reports AMX or AVX512-BF16 on this CPU, no
-    ONEDNN_MAX_CPU_ISA caps oneDNN below them, and oneDNN takes a bf16 weight."""
+    ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA, in any case) caps oneDNN below them, and oneDNN
+    takes a bf16 weight: with this process's own cap (if any) and with each cap written out
+    above set in turn (the variable is read at each call; oneDNN itself keeps the process's)."""
     cpu = torch.cpu
     units = cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported()
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    allowed = cap is None or cap.upper() in precision.BF16_ISAS
-    assert precision.cpu_bf16_units()[0] == (units and allowed and onednn_packs_bf16())
+    takes = onednn_takes_a_bf16_weight()
+    own = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    reach = own is None or own.strip().upper() in CAPS_THAT_REACH_BF16
+    assert precision.cpu_bf16_units()[0] == (units and reach and takes), own
+    for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        for caps, reach in ((CAPS_THAT_REACH_BF16, True), (CAPS_BELOW_BF16, False)):
+            for cap in caps + tuple(c.lower() for c in caps):
+                monkeypatch.setenv(variable, cap)
+                assert precision.cpu_bf16_units()[0] == (units and reach and takes), (variable, cap)
 
 
 @pytest.mark.parametrize("amx, avx512_bf16, cap, packs, want", [
@@ -98,9 +134,10 @@ def test_auto_follows_the_instruction_set_onednn_may_use(monkeypatch, amx, avx51
 
 
 def test_bf16_decodes_where_onednn_refuses_bf16_weights(tmp_path, capsys):
-    """generate.py --dtype bfloat16 with oneDNN capped at AVX2, where it refuses to pack bf16
-    weights (before issue 39: a traceback), decodes in a fresh process (the cap is read at
-    start), says bfloat16 and prints no traceback; its reply is this process's (uncapped) one."""
+    """generate.py --dtype bfloat16 (which decodes through the engine) with oneDNN capped at
+    AVX2, where it refuses to pack bf16 weights (before issue 39: a traceback), decodes in a
+    fresh process (the cap is read at start), says bfloat16 on the engine and prints no
+    traceback; its reply is this process's (uncapped) one."""
     make_hf_model(tmp_path, vocab_size=32, intermediate_size=64)
     argv = ["--ckpt", str(tmp_path), "--prompt-ids", "3,4,5", "--mask-id", "31", "--block-size", "2",
             "--exact", "--drafts", "2", "--max-new-tokens", "6", "--dtype", "bfloat16"]
@@ -109,36 +146,50 @@ def test_bf16_decodes_where_onednn_refuses_bf16_weights(tmp_path, capsys):
     r = subprocess.run([sys.executable, "generate.py", *argv], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "[bfloat16: as set]" in r.stderr.splitlines()
+    assert "[bfloat16: as set; the engine]" in r.stderr.splitlines()
     assert generate_cli.main(argv) == 0
     assert r.stdout == capsys.readouterr().out and r.stdout.strip()
 
 
-@pytest.mark.parametrize("has", [True, False])
-def test_generate_says_which_dtype_it_chose_and_uses_it(tmp_path, monkeypatch, capsys, has):
-    """generate.py's stderr names the dtype and why in one line, and the model it decodes with
-    has that dtype (the loader is wrapped to see it)."""
+@pytest.mark.parametrize("flags, has, line", [
+    (["--fast"], True, "[bfloat16: auto: THE REASON; the engine]"),
+    (["--fast"], False, "[float32: auto: THE REASON; the engine]"),
+    (["--dtype", "auto"], True, "[bfloat16: auto: THE REASON; the engine]"),
+    ([], True, "[float32: the reference (--fast for the engine)]"),  # bf16 units or not
+])
+def test_generate_says_which_dtype_it_chose_and_uses_it(tmp_path, monkeypatch, capsys, flags, has, line):
+    """generate.py's stderr names the dtype, why and what runs in one line, and the model it
+    decodes with has that dtype and is the engine (fast.make_fast: FastQwen2, every Linear a
+    FastLinear, the block argmax) or the plain reference (the loader is wrapped to see it).
+    Without --fast (or a --dtype that implies it) the reference runs, in float32 even where the
+    CPU has bf16 units."""
     make_hf_model(tmp_path, vocab_size=32, intermediate_size=64)
+    capsys.readouterr()  # what saving the checkpoint printed
     monkeypatch.setattr(precision, "cpu_bf16_units", lambda: (has, "THE REASON"))
     seen = []
     real = generate_cli.load_checkpoint
     monkeypatch.setattr(generate_cli, "load_checkpoint", lambda *a: seen.append(real(*a)) or seen[-1])
     generate_cli.main(["--ckpt", str(tmp_path), "--prompt-ids", "3,4,5", "--mask-id", "31",
-                       "--block-size", "2", "--tau", "1", "--max-new-tokens", "3"])
-    want = "bfloat16" if has else "float32"
-    assert f"[{want}: auto: THE REASON]" in capsys.readouterr().err.splitlines()
-    assert seen[0].model.lm_head.weight.dtype == getattr(torch, want)
+                       "--block-size", "2", "--tau", "1", "--max-new-tokens", "3", *flags])
+    assert capsys.readouterr().err.splitlines()[0] == line
+    model, engine = seen[0].model, line.endswith("; the engine]")
+    assert model.lm_head.weight.dtype == (torch.bfloat16 if line.startswith("[bfloat16") else torch.float32)
+    assert isinstance(model, fast.FastQwen2) == engine
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, FastLinear) == engine for m in linears)
+    assert (sampling.argmax is fast.argmax.block_argmax) == engine  # conftest sets the reference's
 
 
 # ----------------------------------------------------------------------------- models
-def tiny_bf16(seed, vocab=16, layers=2, packed=True, width=(576, 1536, 9, 3), std=0.08):
+def tiny_bf16(seed, vocab=16, layers=2, engine=True, width=(576, 1536, 9, 3), std=0.08):
     """A random Qwen2 in bf16 with SmolLM2's widths (576 -> 1536 -> 576, 9 heads over 3 kv
-    heads) by default, small elsewhere."""
+    heads) by default, small elsewhere: the engine over it (fast.make_fast), or with
+    engine=False the plain reference (to be moved, or compiled, first)."""
     hidden, inter, heads, kv = width
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512)
     model = init_weights(Qwen2(cfg), std=std, seed=seed).to(torch.bfloat16).eval()
-    return pack_for_decoding(model) if packed else model
+    return fast.make_fast(model) if engine else model
 
 
 def prompts_of(seed, n=4, vocab=16):
@@ -151,20 +202,20 @@ def prompts_of(seed, n=4, vocab=16):
 @torch.no_grad()
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_bf16_linear_row_is_the_same_alone_or_among_rows(threads):
-    """model.Linear in bf16, packed and not: each of 9 rows computed alone gives bitwise the
-    row computed among the 9 (the rule exact mode needs), at the widths of SmolLM2's
-    projections, on one and on two threads (oneDNN may split a sum by thread)."""
+    """The engine's FastLinear in bf16, packed and not: each of 9 rows computed alone gives
+    bitwise the row computed among the 9 (the rule exact mode needs), at the widths of
+    SmolLM2's projections, on one and on two threads (oneDNN may split a sum by thread)."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(threads)
     for n_in, n_out in [(576, 1536), (1536, 576), (576, 192), (576, 4096)]:
-        lin = Linear(n_in, n_out, bias=n_out == 192).to(torch.bfloat16)
+        lin = FastLinear(n_in, n_out, bias=n_out == 192).to(torch.bfloat16)
         lin.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.03)
         x = torch.randn(1, 9, n_in, generator=g).to(torch.bfloat16)
         for packed in (False, True):
             if packed:
                 lin.packed = None
-                pack_for_decoding(torch.nn.Sequential(lin))
-                assert lin.packed is not None or not onednn_packs_bf16()
+                pack(torch.nn.Sequential(lin))
+                assert lin.packed is not None or not onednn_takes_a_bf16_weight()
             among = lin(x)
             alone = torch.cat([lin(x[:, r:r + 1]) for r in range(9)], 1)
             assert torch.equal(alone, among), (n_in, n_out, packed)
@@ -195,13 +246,14 @@ def is_bf16_matmul(lin, x):
 
 @torch.no_grad()
 def test_packed_bf16_is_a_bf16_matmul_and_as_accurate_as_hf_bf16(tmp_path):
-    """The packed bf16 weights (what decoding runs): (1) every packed Linear of a model (F.linear
-    where oneDNN does not pack bf16), at 1, 5 and 18 rows, is a bf16 matmul: each output within
-    `bf16_matmul_bound` of the float64 product of the same bf16 values (the rule written out,
-    whatever the kernel's summation order: on a 2-core AMD EPYC every output was within one bf16
-    spacing at its own level and capped to AVX512_CORE and AVX2); (2) the packed forward
+    """The engine's packed bf16 weights (what its decoding runs): (1) every FastLinear of a model
+    made fast (F.linear where oneDNN does not pack bf16), at 1, 5 and 18 rows (in its row tiles),
+    is a bf16 matmul: each output within `bf16_matmul_bound` of the float64 product of the same
+    bf16 values (the rule written out, whatever the kernel's summation order: on a 2-core AMD
+    EPYC every output was within one bf16 spacing at its own level and capped to AVX512_CORE and
+    AVX2); (2) the packed forward
     (prompt, steps of 1 and 5 rows) is off the fp32 forward by at most 1.25x HF bf16's error, as
-    the unpacked model is (a bf16 forward is off by ~0.1 on logits of size ~5:
+    the plain reference in bf16 is (a bf16 forward is off by ~0.1 on logits of size ~5:
     test_model.test_bf16_matches_hf_bf16 explains why)."""
     hf = make_hf_model(tmp_path, num_hidden_layers=3, hidden_size=128, intermediate_size=1536,
                        tie_word_embeddings=False)
@@ -209,17 +261,17 @@ def test_packed_bf16_is_a_bf16_matmul_and_as_accurate_as_hf_bf16(tmp_path):
     ref = hf(idx).logits[0]  # fp32
     hf_bf = hf.to(torch.bfloat16)(idx).logits[0].float()
     plain = Qwen2.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
-    packed = pack_for_decoding(Qwen2.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval())
-    assert packed.lm_head.packed is not None or not onednn_packs_bf16()
+    packed = fast.make_fast(Qwen2.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval())
+    assert packed.lm_head.packed is not None or not onednn_takes_a_bf16_weight()
     g = torch.Generator().manual_seed(4)
     for name, lin in packed.named_modules():
-        if isinstance(lin, Linear):
+        if isinstance(lin, FastLinear):
             for rows in (1, 5, 18):
                 x = torch.randn(rows, lin.weight.shape[1], generator=g).to(torch.bfloat16)
                 assert is_bf16_matmul(lin, x), (name, rows)
     outs = {}
     for name, m in (("plain", plain), ("packed", packed)):  # the prompt, then steps of 1 and 5 rows
-        cache = KVCache.for_model(m, 1, 24)
+        cache = m.new_cache(1, 24)
         parts = [m(idx[:, :18], cache=cache)]
         cache.commit(18)
         parts += [m(idx[:, 18:19], cache=cache)]
@@ -238,15 +290,17 @@ def alone_and_among(model, seq, Ts, mask_id):
     """For each T in Ts, the logits of seq's last token (1) as an AR step on the cache of the
     rest, and (2) as row 0 of a T-row step over the same cache, the others masks under a causal
     mask (as exact mode's c_0 among its drafts and masks). The prefix is computed once, in a
-    cache 1,024 slots larger than the step needs, and copied into the second, smaller one: a key
-    block past every row's end must change nothing."""
+    cache 1,024 slots larger than the step needs, and copied into the two caches of the steps:
+    the AR step's the smaller, the T-row step's 1,024 slots
+    larger: key blocks past every row's end must change nothing. `model`: the engine."""
     n, T_max = seq.shape[1], max(Ts)
-    big = KVCache.for_model(model, 1, n + T_max + 1024)
+    big = model.new_cache(1, n + T_max + 1024)
     model(seq[:, :-1], cache=big)
     big.commit(n - 1)
     out = []
     for T in Ts:
-        one, many = KVCache.for_model(model, 1, n + T_max), KVCache.for_model(model, 1, n + T_max + 1024)
+        one, many = model.new_cache(1, n + T_max), model.new_cache(1, n + T_max + 1024)
+        assert many.k.shape[3] >= one.k.shape[3] + 1024
         for cache in (one, many):
             cache.k[..., :n - 1, :], cache.v[..., :n - 1, :] = big.k[..., :n - 1, :], big.v[..., :n - 1, :]
             cache.commit(n - 1)
@@ -258,7 +312,7 @@ def alone_and_among(model, seq, Ts, mask_id):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_alone_is_the_row_among_others(threads):
-    """The model's decoding step, the claim exact mode rests on: an AR step (one new token on
+    """The engine's decoding step, the claim exact mode rests on: an AR step (one new token on
     the cache) gives bitwise the logits that the same token gets as row 0 of a T-row step over
     the same cache (exact mode's c_0 among its drafts and masks), for every T a step of
     exact mode with K <= 2 has (2, 3, 4, 6, 9 rows), over prefixes of 4-70 tokens, on caches of
@@ -307,62 +361,103 @@ def test_exact_mode_in_bf16_is_bf16_ar(threads):
 
 SMALL = (64, 128, 4, 2)  # the proofs by construction need no real widths (std 0.2: peaked enough
 # that drafts are accepted)
+# the stand-in kernels' change per shape: large, so that the decode check alone catches each of
+# MUTATIONS (with 2^-6 a decode without the matmul tiles, or without whole key blocks, flipped no
+# token of the SMALL model and still passed; with 2^-4 whole key blocks taken away changed 1 of
+# the 7 decoders, with 2^-3 5 of them)
+PERTURB = 2 ** -3
 
 
 class ShapeDependentKernels:
-    """Stand-ins for the matmul and attention kernels that compute a different function at every
-    shape of call, the same for every row of a call: the worst a kernel that picks its
-    summation order by shape can do. The matmul scales its output by 1 + 2^-6 * (rows % 3),
-    attention by 1 + 2^-6 * ((query rows + key rows) % 3); rounded back to bf16."""
+    """Stand-ins for the engine's matmul (FastLinear.product) and attention (sdpa, which
+    fast/attention.py and the reference's attend both call) that compute a different function
+    at every shape of call, the same for every row of a call: the worst a kernel that picks its
+    summation order by shape can do. The matmul scales its output by 1 + PERTURB * (rows % 3),
+    attention by 1 + PERTURB * ((query rows + keys) % 3); rounded back to bf16. `shapes`: every
+    call's (kind, rows, keys) (keys: None for a matmul)."""
 
     def __init__(self, monkeypatch):
-        real_product, real_sdpa = Linear.product, torch.nn.functional.scaled_dot_product_attention
+        real_product, real_sdpa = FastLinear.product, fast.attention.F.scaled_dot_product_attention
         self.shapes = set()
 
         def product(lin, x):
-            self.shapes.add(("matmul",) + tuple(x.shape))
-            return (real_product(lin, x).float() * (1 + 2 ** -6 * (x.shape[0] % 3))).to(x.dtype)
+            self.shapes.add(("matmul", x.shape[0], None))
+            return (real_product(lin, x).float() * (1 + PERTURB * (x.shape[0] % 3))).to(x.dtype)
 
         def sdpa(q, k, v, **kw):
-            self.shapes.add(("attention",) + tuple(q.shape[2:]) + tuple(k.shape[2:]))
+            self.shapes.add(("attention", q.shape[2], k.shape[2]))
             y = real_sdpa(q, k, v, **kw)
-            return (y.float() * (1 + 2 ** -6 * ((q.shape[2] + k.shape[2]) % 3))).to(y.dtype)
+            return (y.float() * (1 + PERTURB * ((q.shape[2] + k.shape[2]) % 3))).to(y.dtype)
 
-        monkeypatch.setattr(Linear, "product", product)
-        monkeypatch.setattr(model_py.F, "scaled_dot_product_attention", sdpa)
+        monkeypatch.setattr(FastLinear, "product", product)
+        monkeypatch.setattr(fast.attention.F, "scaled_dot_product_attention", sdpa)
+
+    def called(self, kind):
+        """The (rows, keys) of every call of `kind` ("matmul" or "attention")."""
+        return {s[1:] for s in self.shapes if s[0] == kind}
+
+
+# every attention call of the engine over a bf16 cache: QUERY_TILE query rows against every slot
+# of a cache rounded up to whole key blocks of 512 (the CPU flash attention's key block from 512
+# keys on); the caches of these decodes hold under 512 slots (prompt, reply and step): one block
+ONE_KEY_BLOCK = 512
+
+
+def tiles_removed_from_matmuls(monkeypatch):
+    """The mutation: every FastLinear call on the rows as they come (fast.linear.in_tiles)."""
+    monkeypatch.setattr(fast.linear, "in_tiles", lambda f, x, n: f(x))
+
+
+def tiles_removed_from_attention(monkeypatch):
+    """The mutation: FastQwen2 hands attention the bool mask, so TiledAttention runs the
+    reference's attention (model.attend) on the query rows as they come."""
+    monkeypatch.setattr(fast.step, "tiled_mask", lambda mask, g, dtype: mask)
+
+
+def keys_not_in_whole_blocks(monkeypatch):
+    """The mutation: a bf16 cache's slots not rounded up to whole key blocks, so attention reads
+    as many keys as the decoder's cache holds (its prompts, budget and step)."""
+    monkeypatch.setattr(fast.cache, "KEY_BLOCK", 1)
+
+
+MUTATIONS = {f.__name__: f for f in (tiles_removed_from_matmuls, tiles_removed_from_attention,
+                                     keys_not_in_whole_blocks)}
 
 
 def test_row_invariance_holds_whatever_the_kernels_do_at_each_shape(monkeypatch):
     """The construction itself: with kernels that compute another function at every shape,
     exact mode (K = 1, 2, 4, alone and in a batch) still equals AR, and AR alone equals AR in a
-    batch, because decoding in bf16 calls each kernel at one shape (model.py, "Row invariance")."""
+    batch, because the engine calls each kernel of a bf16 decode at one shape (fast/linear.py,
+    "Row invariance"): every matmul at the row tile, every attention call at QUERY_TILE query
+    rows against one key block. The decode check alone fails under each of MUTATIONS (the next
+    test): the perturbation is large enough to flip tokens."""
     kernels = ShapeDependentKernels(monkeypatch)
-    out, tpf = decodes(tiny_bf16(2, packed=False, width=SMALL, std=0.2), prompts_of(2, n=3), max_new=16)
+    out, tpf = decodes(tiny_bf16(2, width=SMALL, std=0.2), prompts_of(2, n=3), max_new=16)
     assert differing(out) == []
     assert tpf > 1.05
-    tiles = model_py.row_tile(torch.device("cpu")), model_py.QUERY_TILE
-    assert {s[1] for s in kernels.shapes if s[0] == "matmul"} == {tiles[0]}  # every call: one row count
-    assert {s[1] for s in kernels.shapes if s[0] == "attention"} == {tiles[1]}
+    assert kernels.called("matmul") == {(fast.linear.row_tile(torch.device("cpu")), None)}  # one row count
+    assert kernels.called("attention") == {(fast.attention.QUERY_TILE, ONE_KEY_BLOCK)}
 
 
-def test_the_same_kernels_break_a_decode_whose_shapes_vary(monkeypatch):
-    """The proof can fail: with the same stand-in kernels, and the matmul and attention called
-    on the rows as they come (no tiles), AR in a batch or exact mode differ from AR."""
-    ShapeDependentKernels(monkeypatch)
-    monkeypatch.setattr(model_py, "in_tiles", lambda f, x, n: f(x))
-    monkeypatch.setattr(model_py, "attend_tiled", model_py.attend)
-    monkeypatch.setattr(model_py, "tiled_mask", lambda mask, g, dtype: mask)
-    out, _ = decodes(tiny_bf16(2, packed=False, width=SMALL, std=0.2), prompts_of(2, n=3), max_new=16)
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_the_same_kernels_break_a_decode_whose_shapes_vary(monkeypatch, mutation):
+    """The proof can fail: with the same stand-in kernels and any one of the engine's devices
+    taken away (the matmul tiles, the attention tiles, the whole key blocks), the kernels are
+    called at more than one shape and AR in a batch, AR alone or exact mode differ from AR."""
+    kernels = ShapeDependentKernels(monkeypatch)
+    MUTATIONS[mutation](monkeypatch)
+    out, _ = decodes(tiny_bf16(2, width=SMALL, std=0.2), prompts_of(2, n=3), max_new=16)
+    assert len(kernels.called("matmul")) > 1 or len(kernels.called("attention")) > 1
     assert differing(out) != []
 
 
 ISA_CHECK = """
 import torch
 from tests.test_bf16 import tiny_bf16, prompts_of, decodes, differing, is_bf16_matmul
-from model import Linear, pack_for_decoding
+from fast.linear import FastLinear, pack
 torch.set_num_threads(2)
 out, tpf = decodes(tiny_bf16(1), prompts_of(1, n=3), max_new=16, Ks=(2,))
-lin = pack_for_decoding(torch.nn.Sequential(Linear(1536, 576).to(torch.bfloat16)))[0]
+lin = pack(torch.nn.Sequential(FastLinear(1536, 576).to(torch.bfloat16)))[0]
 x = torch.randn(40, 1536).to(torch.bfloat16)
 with torch.no_grad():
     rows = all(torch.equal(lin(x[r:r + 1]), lin(x)[r:r + 1]) for r in range(40))
@@ -385,11 +480,16 @@ def isa_levels():
 
 def test_every_isa_level_this_cpu_can_play():
     """The real-kernel proofs at every instruction set below its own that oneDNN can be capped to
-    on this CPU (isa_levels; none on an AVX2-only CPU): in a fresh process per level, exact mode
-    K = 2 alone and in a batch equals AR alone and in a batch, a packed bf16 Linear's row is the
-    same alone or among 40, and its outputs are within `bf16_matmul_bound` of the float64 product."""
-    assert set(isa_levels()) <= {"AVX512_CORE_BF16", "AVX512_CORE", "AVX2"}
-    for level in isa_levels():
+    on this CPU (isa_levels; skipped on an AVX2-only CPU, which has none): in a fresh process per
+    level, exact mode K = 2 on the engine alone and in a batch equals AR alone and in a batch, a
+    packed bf16 FastLinear's row is the same alone or among 40, and its outputs are within
+    `bf16_matmul_bound` of the float64 product."""
+    levels = isa_levels()
+    assert set(levels) <= {"AVX512_CORE_BF16", "AVX512_CORE", "AVX2"}
+    if not levels:
+        pytest.skip("no oneDNN level below this CPU's own to play (an AVX2-only CPU, or not x86): "
+                    "every other test of this file runs at its own level")
+    for level in levels:
         env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
         env.update({"OMP_NUM_THREADS": "2", "PYTHONPATH": ROOT})
         if level:
@@ -415,16 +515,25 @@ def test_a_wrong_verification_fails(monkeypatch):
 
 # ----------------------------------------------------------------------------- on SmolLM2
 @pytest.fixture(scope="module")
-def smollm2_bf16(smollm2_dir):
-    """The real model in bf16 as the decoders open it (packed), general chat prompts and a reply
-    length: 3 prompts and 32 tokens on a CPU with bf16 units, 2 and 16 on one that emulates bf16
-    (a forward is ~10x slower there: the suite must stay within its 5 minutes)."""
+def smollm2_engine(smollm2_dir):
+    """The real model in bf16 on the engine (fast.make_fast, as generate.py --fast opens it),
+    general chat prompts and a reply length: 3 prompts and 32 tokens on a CPU with bf16 units,
+    2 and 16 on one that emulates bf16 (a forward is ~10x slower there: the suite must stay
+    within its 5 minutes)."""
     tok = Tokenizer.from_dir(smollm2_dir)
-    model = pack_for_decoding(Qwen2.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval())
+    model = fast.make_fast(Qwen2.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval())
     units = precision.cpu_bf16_units()[0]
     prompts = [tok.encode_chat([{"role": "user", "content": c}], add_generation_prompt=True)
                for c in CHAT[:3 if units else 2]]
     return model, prompts, tok.mask_id, 32 if units else 16
+
+
+@pytest.fixture
+def smollm2_bf16(smollm2_engine):
+    """smollm2_engine with the engine's greedy pick (fast.argmax) installed, as make_fast installs
+    it: conftest gives every test the reference's."""
+    fast.argmax.install()
+    return smollm2_engine
 
 
 def test_smollm2_row_alone_is_the_row_among_others(smollm2_bf16):
@@ -455,9 +564,9 @@ def test_smollm2_exact_mode_in_bf16_is_bf16_ar(smollm2_bf16):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/bench_gpu.py measures it too)")
 def test_on_cuda_exact_mode_is_ar_alone_and_in_batches_of_1_4_16():
     """Where a GPU is present (never in CI, which has none: not counted as its coverage): the same
-    construction on CUDA's kernels (row tile 128), bf16, eager: exact mode K = 1, 2, 4 equals AR,
-    and AR alone equals AR in the batch, at batch 1, 4 and 16."""
-    model = tiny_bf16(2, packed=False, width=SMALL, std=0.2).cuda()
+    construction on CUDA's kernels (row tile 128), bf16, the engine eager: exact mode K = 1, 2, 4
+    equals AR, and AR alone equals AR in the batch, at batch 1, 4 and 16."""
+    model = fast.make_fast(tiny_bf16(2, engine=False, width=SMALL, std=0.2).cuda())
     for n in (1, 4, 16):
         out, _ = decodes(model, prompts_of(n, n=n), max_new=16)
         assert differing(out) == [], n

@@ -112,3 +112,48 @@ def test_every_test_file_and_every_tolerance_is_on_the_page():
 def test_no_line_numbers():
     cites = re.findall(r"\w+\.py:\d+", PAGE.read_text())
     assert not cites, f"docs/tests.md cites line numbers, which move: {cites}"
+
+
+# ----------------------------------------------------------------------------- the spec's sections
+SPEC = TESTS.parent / "docs" / "spec.md"
+SECTION_REF = re.compile(r"§(\d+)(?:\.(\d+))?(?:\s*[-–]\s*§?(\d+)(?:\.(\d+))?)?")
+
+
+def spec_sections():
+    """docs/spec.md -> {N: the text of section §N} (its `## §N ...` headings)."""
+    parts = re.split(r"^## §(\d+)\b", SPEC.read_text(), flags=re.M)
+    return {int(n): text for n, text in zip(parts[1::2], parts[2::2])}
+
+
+def cited_sections(text):
+    """Every (section, item or None) a text cites: §5, §5.4, §3-§4, §5.2-3, §2–3, §5-6."""
+    out = []
+    for a, a_item, b, b_item in SECTION_REF.findall(text):
+        if not b:
+            out.append((int(a), int(a_item) if a_item else None))
+        elif a_item and not b_item:  # §5.2-3: items 2..3 of §5
+            out += [(int(a), i) for i in range(int(a_item), int(b) + 1)]
+        else:  # §3-§4, §5-6, §5.1-§5.3: every section from a to b
+            out += [(n, None) for n in range(int(a), int(b) + 1)]
+    return out
+
+
+def test_every_section_the_code_and_docs_cite_is_in_the_spec():
+    """Every "§N" in the repository's code and pages names a section of docs/spec.md, and every
+    "§N.M" an item M of that section's numbered list (e.g. §5.4: step 4 of §5). The shared
+    design notes are not ours; results/ pages quote the paper's own sections too (§ only ours)."""
+    sections = spec_sections()
+    assert sorted(sections) == list(range(1, len(sections) + 1)), sorted(sections)
+    root = TESTS.parent
+    files = [p for p in root.rglob("*") if p.suffix in (".py", ".md") and p.is_file()
+             and not {"out", "runs", ".git"} & set(p.relative_to(root).parts)]
+    bad = []
+    for path in files:
+        for n, item in cited_sections(path.read_text()):
+            if n not in sections:
+                bad.append(f"{path.relative_to(root)}: §{n}")
+            elif item is not None and not re.search(rf"^{item}\. ", sections[n], re.M):
+                bad.append(f"{path.relative_to(root)}: §{n}.{item}")
+    assert not bad, sorted(set(bad))
+    assert cited_sections("§5.2-3 §3-§4 §8 §2–3") == [(5, 2), (5, 3), (3, None), (4, None), (8, None),
+                                                       (2, None), (3, None)]

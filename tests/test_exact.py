@@ -20,8 +20,10 @@ Claims, each against an independent reference:
     emitted - 1 (the pending c_0 is emitted, not cached);
   * EOS mid-step and max_new_tokens; bad settings are refused.
 Every HF greedy path compared token for token, and every argmax and threshold the written-out
-algorithm's counts read, is asserted far from a tie (tests/greedy_margin.py); the packed cases
-assert that the weights were packed.
+algorithm's counts read, is asserted far from a tie (tests/greedy_margin.py). The *_fast
+cases decode through the engine (fast.make_fast: packed fp32 weights, its cache, the block
+argmax) and assert that the weights were packed; tests/test_engine.py proves the engine equals
+the reference in float64 for every decoder.
 """
 
 
@@ -34,11 +36,12 @@ from conftest import first_mid_step_token, hf_greedy, make_hf_model
 from greedy_margin import GAP, assert_no_near_tie, top2_gap
 
 import exact
+import fast
 from decoding import pad_rows
 from exact import exact_steps, generate_exact, step_input
-from kvcache import KVCache
+from fast.linear import FastLinear
 from mars import exact_attention_mask
-from model import Linear, Qwen2, pack_for_decoding
+from model import Qwen2
 
 PROMPTS = [[5, 1, 6, 3, 4], [1, 2, 3, 4, 5, 6, 0, 1, 2], [4, 2]]  # ids < 7: valid in both vocabularies
 N_NEW = 24
@@ -56,15 +59,15 @@ def load(path, **cfg):
     return hf, Qwen2.from_pretrained(str(path)).eval(), hf.config.vocab_size - 1
 
 
-def packed(pair):
-    """The pair with its model's weights packed for decoding (model.pack_for_decoding, as
-    checkpoint.load_checkpoint opens a model): fp32 oneDNN matmuls, the decoders unchanged.
-    Asserts every Linear got its packed copy (as tests/test_fast_paths.py does): on a torch
+def engine(pair):
+    """The pair with its model made the engine (fast.make_fast, as generate.py --fast opens a
+    model): fp32 oneDNN matmuls from packed weights, its cache, the decoders unchanged.
+    Asserts every linear got its packed copy (as tests/test_fast_paths.py does): on a torch
     without oneDNN these cases would otherwise repeat the plain ones and claim what they did not run."""
     hf, model, mask_id = pair
-    model = pack_for_decoding(copy.deepcopy(model))
+    model = fast.make_fast(copy.deepcopy(model))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(isinstance(m, Linear) and m.packed is not None for m in linears), "not packed"
+    assert linears and all(type(m) is FastLinear and m.packed is not None for m in linears), "not packed"
     return hf, model, mask_id
 
 
@@ -74,13 +77,25 @@ def v256(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def v256_packed(v256):
-    return packed(v256)
+def v256_engine(v256):
+    return engine(v256)
 
 
 @pytest.fixture(scope="module")
-def v8_packed(v8):
-    return packed(v8)
+def v8_engine(v8):
+    return engine(v8)
+
+
+@pytest.fixture
+def v256_fast(v256_engine):
+    fast.argmax.install()  # the engine's greedy pick (conftest gives every test the reference's)
+    return v256_engine
+
+
+@pytest.fixture
+def v8_fast(v8_engine):
+    fast.argmax.install()
+    return v8_engine
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +151,7 @@ def test_draft_threshold_keeps_the_leading_run():
 @torch.no_grad()
 def one_step(model, prompts, c0, drafts, g, mask_id):
     """Prefill `prompts`, then run one step forward -> per-token logits (N, T, V)."""
-    cache = KVCache.for_model(model, len(prompts), 64)
+    cache = model.new_cache(len(prompts), 64)
     model.hidden(pad_rows(prompts, 0, "cpu"), cache=cache)
     cache.commit(torch.tensor([len(p) for p in prompts]))
     tokens, positions, mask = step_input(c0, drafts, g, cache.lengths, mask_id)
@@ -169,7 +184,7 @@ def test_step_equals_separate_causal_forwards_and_group_size_k_is_enough(v256):
 # ---------------------------------------------------------------- output = HF greedy
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 @pytest.mark.parametrize("K,B", SETTINGS)
-@pytest.mark.parametrize("vocab", ["v256", "v8", "v256_packed", "v8_packed"])
+@pytest.mark.parametrize("vocab", ["v256", "v8", "v256_fast", "v8_fast"])
 def test_equals_hf_greedy(request, vocab, K, B, threshold):
     hf, model, mask_id = request.getfixturevalue(vocab)
     ref = [hf_greedy(hf, [p], N_NEW)[0] for p in PROMPTS]
@@ -200,10 +215,8 @@ class Oracle(torch.nn.Module):
         self.model, self.config, self.seqs = model, model.config, seqs
         self.mask_id, self.shift = mask_id, shift
 
-    compiled_hidden = None  # never compiled (model.compile_decoding): its steps are `hidden`
-
-    def step(self, idx, position_ids=None, attn_mask=None, cache=None):
-        return self.hidden(idx, position_ids, attn_mask, cache)
+    def new_cache(self, batch_size, max_len, step=1):
+        return self.model.new_cache(batch_size, max_len, step)
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache=None):
         B, T = idx.shape
@@ -335,13 +348,11 @@ def test_cache_holds_only_verified_tokens(v8, monkeypatch, threshold):
     _, model, mask_id = v8
     model, caches = copy.deepcopy(model).double(), []
 
-    class Spy(KVCache):
-        @classmethod
-        def for_model(cls, *args):
-            caches.append(KVCache.for_model(*args))
-            return caches[-1]
+    def spy(*args, **kw):  # the decoder's cache, kept to be read after every step
+        caches.append(Qwen2.new_cache(model, *args, **kw))
+        return caches[-1]
 
-    monkeypatch.setattr(exact, "KVCache", Spy)
+    monkeypatch.setattr(model, "new_cache", spy)
     out, multi = [[] for _ in PROMPTS], False
     for step in exact_steps(model, PROMPTS, block_size=4, drafts=4, max_new_tokens=N_NEW,
                             mask_id=mask_id, draft_threshold=threshold):
@@ -352,10 +363,10 @@ def test_cache_holds_only_verified_tokens(v8, monkeypatch, threshold):
             L = int(cache.lengths[b])
             if not step.done[b]:
                 assert L == len(p) + len(out[b]) - 1  # everything emitted but the pending c_0
-            fresh = KVCache.for_model(model, 1, L)
+            fresh = Qwen2.new_cache(model, 1, L)
             model.hidden(torch.tensor([(p + out[b])[:L]]), cache=fresh)
-            torch.testing.assert_close(cache.k[:, b, :, :L], fresh.k[:, 0], atol=1e-12, rtol=0)
-            torch.testing.assert_close(cache.v[:, b, :, :L], fresh.v[:, 0], atol=1e-12, rtol=0)
+            torch.testing.assert_close(cache.k[:, b, :, :L], fresh.k[:, 0, :, :L], atol=1e-12, rtol=0)
+            torch.testing.assert_close(cache.v[:, b, :, :L], fresh.v[:, 0, :, :L], atol=1e-12, rtol=0)
     assert multi and all(step.done)
 
 

@@ -1,4 +1,5 @@
-"""Proofs that the fast paths of the forward compute what the plain ones compute.
+"""Proofs that the fast paths of the forward compute what the plain ones compute (the
+engine's, fast/, against the reference in tests/test_engine.py and tests/test_compile.py).
 
   * MARS training (docs/spec.md §3): the forward as it is run (mars.two_stream_window: the
     clean stream plain causal over l tokens; the noisy stream cut to the blocks the loss
@@ -12,6 +13,9 @@
   * With a KV cache, the causal mask built from arithmetic equals the general
     construction with an explicit causal mask, and "no mask" for one new token per row
     at a common length is the same as all-true.
+  * The engine's packed weights (fast.linear.FastLinear, packed by fast.make_fast) are read
+    only while decoding and while the weight is unchanged, and the packed fp32 logits through
+    the engine's cache equal HF's float64 logits as closely as fp32 allows.
 Tolerances are relative to the largest magnitude of the reference tensor. The two
 training paths sum the same terms in a different order (two attention calls instead of
 one, their key/value gradients added), so in fp32 they agree to rounding, not bit for
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from conftest import hf_float64, make_hf_model
 
+import fast
+from fast.linear import FastLinear, pack
 from kvcache import KVCache
 from mars import (
     cached_mask,
@@ -35,7 +41,7 @@ from mars import (
     pad_row,
     two_stream_window,
 )
-from model import Linear, Qwen2, Qwen2Config, build_mask, init_weights, pack_for_decoding
+from model import Qwen2, Qwen2Config, build_mask, init_weights
 
 MASK, EOS, PAD = 63, 62, 61  # special ids of the 64-token vocab
 REL = 1e-6  # |fast - reference| <= REL * max|reference|, per tensor, fp32 (measured 0: the same kernels)
@@ -158,7 +164,7 @@ def test_cached_forward_equals_uncached_uniform_and_ragged():
     with torch.no_grad():
         ref = model(seqs)  # (2, 12, V)
         for first in ((4, 4), (3, 6)):  # uniform, ragged prefill lengths
-            cache = KVCache.for_model(model, 2, 16)
+            cache = model.new_cache(2, 16)
             T = max(first)
             model.hidden(seqs[:, :T], cache=cache)
             cache.commit(torch.tensor(first))
@@ -169,41 +175,17 @@ def test_cached_forward_equals_uncached_uniform_and_ragged():
                 assert close(out, ref[torch.arange(2), pos], REL64)
 
 
-# ------------------------------------------------ packed decoding weights (model.pack_for_decoding)
-def test_pack_for_decoding_keeps_every_name_value_and_the_tie(tmp_path):
-    """Packing adds a copy beside each weight and changes nothing else: the same Parameters,
-    names, values (bit for bit) and tie; what we save is what transformers loads. Only fp32
-    CPU weights are packed (float64 is left as it is)."""
-    from transformers import Qwen2ForCausalLM
-
-    for tied in (True, False):
-        make_hf_model(tmp_path / f"src{tied}", tie_word_embeddings=tied)
-        model = Qwen2.from_pretrained(str(tmp_path / f"src{tied}"))
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        params = dict(model.named_parameters())
-        pack_for_decoding(pack_for_decoding(model))  # twice: the second packs again, the same way
-        after = model.state_dict()
-        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
-        assert all(p is params[n] for n, p in model.named_parameters())
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert len(linears) == 7 * model.config.num_hidden_layers + 1
-        assert all(isinstance(m, Linear) and m.packed is not None for m in linears)
-        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-        model.save_pretrained(str(tmp_path / f"out{tied}"))
-        hf = Qwen2ForCausalLM.from_pretrained(str(tmp_path / f"out{tied}"))
-        assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
-    model64 = pack_for_decoding(Qwen2.from_pretrained(str(tmp_path / "srcTrue"), dtype=torch.float64))
-    assert all(m.packed is None for m in model64.modules() if isinstance(m, Linear))
-
-
+# ------------------------------------------------ packed decoding weights (fast.linear, fast.make_fast)
+# (that fast.make_fast keeps every name, value and the tie: tests/test_engine.py)
 def test_packed_copy_is_read_when_decoding_only_and_while_the_weight_is_unchanged():
-    """Linear.forward reads the packed copy under no_grad only, for at most packed_max_rows rows,
-    and only while the weight is the one it was packed from. Shown with a copy packed from other
-    values (zeros, under the weight's key): it gives the bias alone where it is read, F.linear's
-    output where not."""
+    """FastLinear.forward reads the packed copy under no_grad only, for at most packed_max_rows
+    rows, and only while the weight is the one it was packed from. Shown with a copy packed from
+    other values (zeros, under the weight's key): it gives the bias alone where it is read,
+    F.linear's output where not."""
     torch.manual_seed(0)
-    lin, x = Linear(16, 8), torch.randn(3, 16)
-    pack_for_decoding(lin)
+    lin, x = FastLinear(16, 8), torch.randn(3, 16)
+    pack(lin)
+    assert lin.packed is not None
     key = lin.packed[0]
     lin.packed = (key, torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 16), 8))
     with torch.no_grad():
@@ -221,8 +203,8 @@ def test_packed_copy_is_read_when_decoding_only_and_while_the_weight_is_unchange
 
 def decode_logits(model, seq, sizes):
     """Logits of seq (1, L) computed as decoding computes them: a prefill, then steps of
-    `sizes` new tokens against the KV cache (the shapes of AR, τ-window and exact steps)."""
-    cache = KVCache.for_model(model, 1, seq.shape[1])
+    `sizes` new tokens against the model's KV cache (the shapes of AR, τ-window and exact steps)."""
+    cache = model.new_cache(1, seq.shape[1])
     out, at = [], seq.shape[1] - sum(sizes)
     with torch.no_grad():
         for T in [at, *sizes]:
@@ -234,17 +216,30 @@ def decode_logits(model, seq, sizes):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_packed_logits_equal_hf(tmp_path, tied):
-    """With the packed weights, fp32 logits through the cache (a prefill, then steps of 1, 2, 5
-    and 9 new tokens: the shapes of AR, τ-window and exact steps) equal HF's float64 logits
-    (conftest.hf_float64) to REL_PACKED relative, as the unpacked fp32 model's do: oneDNN runs
-    fp32 only, so this proof is in fp32, and its bound is fp32 rounding with a margin."""
+    """The engine (fast.make_fast: packed weights, its cache): fp32 logits through the cache (a
+    prefill, then steps of 1, 2, 5 and 9 new tokens: the shapes of AR, τ-window and exact steps)
+    equal HF's float64 logits (conftest.hf_float64) to REL_PACKED relative, as the reference's
+    fp32 logits do: oneDNN packs fp32 (not float64), so this proof is in fp32, and its bound is
+    fp32 rounding with a margin. Every forward (<= 12 rows) reads the packed copies (checked)."""
     hf = make_hf_model(tmp_path, tie_word_embeddings=tied)
     sizes = [1, 2, 5, 9, 1]
     seq = torch.randint(0, 256, (1, 12 + sum(sizes)), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), hf_float64(hf):
         ref = hf(seq).logits
     assert 0.3 < ref.std().item() < 30  # a relative bound on logits of order 1
-    model = pack_for_decoding(Qwen2.from_pretrained(str(tmp_path)))
-    assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
-    packed = decode_logits(model, seq, sizes).double()
+    reference = Qwen2.from_pretrained(str(tmp_path))
+    assert close(decode_logits(reference, seq, sizes).double(), ref, REL_PACKED)
+    model = fast.make_fast(Qwen2.from_pretrained(str(tmp_path)))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is FastLinear and m.packed is not None for m in linears)
+    reads = []
+    from_packed = fast.linear.from_packed
+
+    def spy(packed, x, weight, bias):  # the packed matmul, when the copy is the weight's
+        reads.append(packed is not None and packed[0] == fast.linear._weight_key(weight))
+        return from_packed(packed, x, weight, bias)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fast.linear, "from_packed", spy)
+        packed = decode_logits(model, seq, sizes).double()
+    assert reads == [True] * 6 * len(linears)  # the prefill (12 rows) and 5 steps: every linear from its copy
     assert close(packed, ref, REL_PACKED)

@@ -263,7 +263,7 @@ def cli_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli")
     hf = make_hf_model(path, seed=3, max_position_embeddings=64)
     free = hf_greedy(hf, [PROMPTS[0]], 12)[0]
-    assert_no_near_tie(hf, [PROMPTS[0]], [free])  # the CLI decodes in fp32 (packed) apart from HF
+    assert_no_near_tie(hf, [PROMPTS[0]], [free])  # the CLI decodes in fp32 (--compile: packed) apart from HF
     eos = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": eos}))
@@ -316,6 +316,7 @@ def cli_runs(cli_ckpt):
 def test_cli_prompt_ids_json_without_tokenizer(cli_ckpt, cli_runs):
     rc, stdout, stderr = cli_runs["ok"]
     assert rc == 0, stderr
+    assert stderr.splitlines()[0] == "[float32: the reference (--fast for the engine)]", stderr
     out = json.loads(stdout)
     ref = cli_ckpt[1]
     assert out["ids"] == ref and out["forwards"] == len(ref)  # stopped at config.json's EOS
@@ -324,9 +325,11 @@ def test_cli_prompt_ids_json_without_tokenizer(cli_ckpt, cli_runs):
 def test_cli_compile_gives_the_same_reply(cli_ckpt, cli_runs):
     """generate.py --compile (the step compiled by inductor, the first reply paying the compile):
     HF's greedy reply and forward count, as without the flag (cli_ckpt's near-tie guard, 1e-4,
-    is 5x the compiled step's bound, tests/test_compile.py's COMPILED_LOGITS_ATOL)."""
+    is 5x the compiled step's bound, tests/test_compile.py's COMPILED_LOGITS_ATOL). --compile
+    decodes through the engine (fast.make_fast), and says so."""
     rc, stdout, stderr = cli_runs["compiled"]
     assert rc == 0, stderr
+    assert stderr.splitlines()[0] == "[float32: as set; the engine, compiled]", stderr
     out = json.loads(stdout)
     assert out["ids"] == cli_ckpt[1] and out["forwards"] == len(cli_ckpt[1])
 

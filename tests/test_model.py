@@ -26,7 +26,6 @@ import pytest
 import torch
 from conftest import hf_float64, make_hf_model
 
-from kvcache import KVCache
 from model import Qwen2
 
 ATOL = 1e-5  # fp32 logit differences: only the near-tie guard of greedy decoding uses it now
@@ -168,7 +167,7 @@ def test_mask_against_ragged_cache_equals_hf(tmp_path):
     g = torch.Generator().manual_seed(42)
     mask = (torch.rand(2, T, T, generator=g) < 0.5) | torch.eye(T, dtype=torch.bool)
     assert not torch.equal(mask[0], mask[1])
-    cache = KVCache.for_model(model, 2, int(P.max()) + T)
+    cache = model.new_cache(2, int(P.max()) + T)
     valid = torch.arange(int(P.max()))[None] < P[:, None]
     with torch.no_grad():
         model(prefix, attn_mask=torch.ones(7, 7, dtype=torch.bool).tril() & valid[:, None, :], cache=cache)
@@ -231,7 +230,7 @@ def greedy_no_cache(model, prompt, n):
 def greedy_cached(model, prompt, n):
     """Prefill, commit the prompt, then one token per forward (docs/spec.md §6, AR mode)."""
     T = prompt.shape[1]
-    cache = KVCache.for_model(model, 1, T + n - 1)  # the last token is never forwarded
+    cache = model.new_cache(1, T + n - 1)  # the last token is never forwarded
     logits = model(prompt, cache=cache)
     cache.commit(T)
     out = [prompt]
@@ -287,7 +286,7 @@ def test_kv_cache_ragged_rows_equal_rows_alone(tmp_path):
     valid = torch.arange(T)[None] < lens[:, None]
     mask = torch.ones(T, T, dtype=torch.bool).tril() & valid[:, None, :]  # (B, T, T)
 
-    cache = KVCache.for_model(model, 2, T + n)
+    cache = model.new_cache(2, T + n)
     with torch.no_grad():
         logits = model(idx, attn_mask=mask, cache=cache)  # writes all T slots of both rows
         cache.commit(lens)  # ... but keeps only the real ones; row 1's pad slots are garbage

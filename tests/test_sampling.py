@@ -5,9 +5,10 @@ reference, each able to fail.
     TopPLogitsWarper -> softmax, bit for bit (torch.equal: the same float32 ops in the
     same order give the same bits; no tolerance is needed, so none is allowed), on random
     logits with ties, -inf entries, k >= V, tiny and exact top-p edges, any leading shape;
-  * sampling.argmax (block maxima on the CPU) is the rule written out (the first largest,
-    NaN the largest) and torch.argmax, on ties across and inside blocks, NaN, infinities
-    and signed zeros, at every block width;
+  * sampling.argmax (the reference's greedy pick) and fast.argmax.block_argmax (the engine's:
+    block maxima on the CPU) are the rule written out (the first largest, NaN the largest)
+    and torch.argmax, on ties across and inside blocks, NaN, infinities and signed zeros, at
+    every block width; the engine installs the block one as every decoder's greedy pick;
   * temperature 0: pick is `logits.float().argmax(-1)` (today's greedy rule) and uses no
     randomness; the probability confidence is `logits.float().softmax(-1).gather(c)`;
   * bad settings are ValueErrors naming the flag;
@@ -41,6 +42,7 @@ from sampling_reference import (
 )
 from transformers import GenerationConfig
 
+from fast.argmax import block_argmax
 from sampling import (
     Sampling,
     argmax,
@@ -126,17 +128,39 @@ def adversarial_logits(seed, N, V):
 
 @pytest.mark.parametrize("V", [128, 1024, 49152, 130])
 def test_argmax_is_the_first_largest(V):
+    """sampling.argmax (the reference's greedy pick) and fast.argmax.block_argmax (the engine's,
+    block maxima on the CPU: fast.make_fast installs it as sampling.argmax) are the rule written
+    out and torch.argmax, at every block width that divides V (and V not a multiple of 128: the
+    plain kernel)."""
     for seed in range(3):
         x = adversarial_logits(seed, 8, V)
         want = torch.tensor([first_largest(r) for r in x.tolist()])
+        assert torch.equal(x.argmax(-1), want)  # torch's own kernel agrees with the rule
+        assert torch.equal(argmax(x), want)
         for width in (1, 2, 8, 128, V):
             if V % width == 0:
-                assert torch.equal(argmax(x, width), want), (V, width)
-        assert torch.equal(argmax(x), want)
-        assert torch.equal(x.argmax(-1), want)  # torch's own kernel agrees with the rule
-        assert torch.equal(argmax(x.view(2, 4, V)), want.view(2, 4))  # any leading shape
-        assert torch.equal(argmax(x.bfloat16()), x.bfloat16().float().argmax(-1))
-    assert argmax(torch.zeros(0, 3, V)).shape == (0, 3)
+                assert torch.equal(block_argmax(x, width), want), (V, width)
+        for f in (argmax, block_argmax):
+            assert torch.equal(f(x), want)
+            assert torch.equal(f(x.view(2, 4, V)), want.view(2, 4))  # any leading shape
+            bf16 = x.bfloat16()
+            assert torch.equal(f(bf16), torch.tensor([first_largest(r) for r in bf16.tolist()]))
+            assert f(torch.zeros(0, 3, V)).shape == (0, 3)
+
+
+def test_the_engine_installs_the_block_argmax_as_every_decoders_greedy_pick(monkeypatch):
+    """fast.argmax.install() makes block_argmax what pick and sample_drafts read at temperature
+    0 (the decoders' greedy picks): shown with a wrong one installed (the smallest)."""
+    import fast.argmax
+    import sampling
+
+    monkeypatch.setattr(sampling, "argmax", sampling.argmax)  # restored after the test
+    x = torch.tensor([[0.0, 1.0, 1.0, 0.0] * 32])  # ties: the first largest is index 1
+    assert pick(x, Sampling()).item() == 1
+    monkeypatch.setattr(fast.argmax, "block_argmax", lambda logits, width=128: logits.float().argmin(-1))
+    fast.argmax.install()
+    assert pick(x, Sampling()).item() == 0  # the installed one decides
+    assert sample_drafts(x[None], Sampling(), None, 0.0)[0].item() == 0
 
 
 def test_temperature_zero_is_todays_argmax_and_uses_no_randomness():

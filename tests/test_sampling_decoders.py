@@ -46,7 +46,6 @@ from sampling_reference import (
 )
 from transformers import GenerationConfig
 
-import decoding
 import exact
 import generate as generate_module
 from exact import exact_steps, generate_exact
@@ -167,15 +166,15 @@ def ragged_prompts(n):
 
 
 def check_top_p_margin(monkeypatch):
-    """Spy on decoding.pick (every draw of the AR sampler and of the τ loop): record each
-    call's top-p margin (sampling_reference.top_p_margin; inf when top-p is off)."""
-    real, margins = decoding.pick, [math.inf]
+    """Spy on generate.pick (every draw of the AR sampler and of the τ loop: generate.candidates):
+    record each call's top-p margin (sampling_reference.top_p_margin; inf when top-p is off)."""
+    real, margins = generate_module.pick, [math.inf]
 
     def spy(logits, s, gens=None):
         if logits.numel():
             margins.append(top_p_margin(logits, s))
         return real(logits, s, gens)
-    monkeypatch.setattr(decoding, "pick", spy)
+    monkeypatch.setattr(generate_module, "pick", spy)
     return margins
 
 

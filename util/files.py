@@ -11,6 +11,7 @@ the words.
 """
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -95,3 +96,70 @@ USER_ERRORS = (ValueError, OSError, KeyError)
 def error_line(e) -> str:
     """`error: MESSAGE` for one of USER_ERRORS (a KeyError's message without repr's quotes)."""
     return f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}"
+
+
+def weight_files(path):
+    """Map every tensor name of an HF-layout directory to the safetensors file that holds it
+    (model.safetensors, or the shards of model.safetensors.index.json)."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        with open_safetensors(single) as f:
+            return {k: single for k in f.keys()}
+    if os.path.isfile(index):
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise BadFileError(index, "no 'weight_map' object of tensor name -> file name")
+        out = {}
+        for key, name in weight_map.items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index}: shard {name!r} (for {key!r}) not found")
+            out[key] = file
+        return out
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(only safetensors weights are loaded)")
+
+
+def check_hf_config(d: dict, model_type: str, source: str):
+    """Refuse the config.json settings that change model.py's computation and that it does not
+    build (`source` names the file)."""
+    if d.get("use_sliding_window"):
+        raise BadFileError(source, "use_sliding_window=true is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise BadFileError(source, f"unsupported rope type {rope!r}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise BadFileError(source, f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+    if model_type == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise BadFileError(source, f"{key}=true is not supported for a llama model "
+                                           "(only Llama without biases)")
+        if d.get("pretraining_tp", 1) != 1:
+            raise BadFileError(source, f"pretraining_tp={d['pretraining_tp']} is not supported")
+
+
+def read_weights(path, expected, dtype, device="cpu", skip=(), what="the model"):
+    """The tensors of an HF-layout directory (weight_files) as {name: tensor in `dtype`}: every
+    name of `expected` ({name: shape}) with that shape, names in `skip` ignored; an unexpected,
+    missing or misshapen tensor is an error naming the file and the key."""
+    by_file, state = {}, {}
+    for key, file in weight_files(path).items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
+        with open_safetensors(file, device) as f:
+            for key in keys:
+                if key in skip:
+                    continue
+                if key not in expected:
+                    raise KeyError(f"{file}: unexpected key {key!r} (not a parameter of {what})")
+                t = f.get_tensor(key)
+                if t.shape != expected[key]:
+                    raise ValueError(f"{file}: tensor {key!r} has shape {tuple(t.shape)}, "
+                                     f"expected {tuple(expected[key])} from config.json")
+                state[key] = t.to(dtype)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise KeyError(f"{path}: missing weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return state

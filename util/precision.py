@@ -10,8 +10,8 @@ than fp32 (on an AVX2-only AMD EPYC, 2x at one row: results/SPEED.md). The check
 
 Training: weights stay fp32 (the optimizer's copy) and matmuls run in the compute dtype
 through autocast; the losses are reduced in fp32 (mars.py). Decoding: the weights themselves
-are cast to the compute dtype (checkpoint.load_checkpoint), see model.Linear for why a
-bf16 decode step is row-invariant.
+are cast to the compute dtype (checkpoint.load_checkpoint); fast/linear.py says why a bf16
+decode step through the engine (fast.make_fast) is row-invariant (the reference promises no such thing).
 "float64" is for proofs, not for training: weights, optimizer state, compute and the
 gradient all-reduce all in float64, so two runs that differ only in summation order
 (one process vs DDP / FSDP) agree to ~1e-15 on any machine (tests/test_train_distributed.py).
@@ -24,9 +24,9 @@ from contextlib import nullcontext
 import torch
 
 DTYPES = ("auto", "float32", "bfloat16", "float64")
-# dtypes whose outputs keep the last-bit difference of two summation orders: decoding in them
-# runs every matmul and attention call at one fixed shape (model.py, "Row invariance"), so a
-# row's bits are independent of the rows beside it
+# dtypes whose outputs keep the last-bit difference of two summation orders: the engine's
+# decoding in them runs every matmul and attention call at one fixed shape (fast/linear.py,
+# "Row invariance"), so a row's bits are independent of the rows beside it
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -50,7 +50,7 @@ def onednn_isa_cap():
 
 @functools.cache
 def onednn_packs_bf16():
-    """Whether oneDNN packs a bf16 weight here (model.pack_for_decoding). It refuses without
+    """Whether oneDNN packs a bf16 weight here (fast/linear.py's pack). It refuses without
     AVX512BW/VL/DQ or AVX-NE-CONVERT, also when ONEDNN_MAX_CPU_ISA caps it below them: asked by
     trying, once, so the answer is what the kernels do, not what a flag list says."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):

@@ -13,6 +13,7 @@ import json
 import os
 import time
 
+import fast
 from checkpoint import load_checkpoint
 from tokenizer import Tokenizer
 from util.atomic import write_json
@@ -119,9 +120,11 @@ class Run:
 
 def open_model(path, run, base=BASE_DIR, dtype=None):
     """(model, tokenizer) on the run's device, in `dtype` or the run's ("auto": util.precision's
-    choice for the device); the tokenizer is the base model's."""
+    choice for the device); the tokenizer is the base model's. The model runs through the engine
+    (fast.make_fast, eager): in bf16 a row's tokens do not depend on its batch or its decoder, so
+    exact mode is AR and the outputs do not depend on the batching (eval_batch)."""
     ck = load_checkpoint(path, run.cfg["device"], run_dtype(run, dtype))
-    return ck.model, Tokenizer.from_dir(base)
+    return fast.make_fast(ck.model), Tokenizer.from_dir(base)
 
 
 def arms(run):

@@ -11,8 +11,7 @@ import torch
 
 import exact
 import generate
-from decoding import Rows, candidates, logits_at, pad_rows
-from kvcache import KVCache
+from decoding import Rows, logits_at, pad_rows
 from sampling import GREEDY, pick
 from scripts.tour.markup import cells, far_from_ties, fn, grid, prob, table
 from scripts.tour.toy import CONFIG, EOS, ID, MASK, MAX_NEW, PROMPT, TAU, VOCAB, B, K, words
@@ -31,7 +30,7 @@ def tau_step(model, rows, cache, pending):
     cache.commit(n)  # the cache update: the pending (real) tokens stay, the masks' K/V are dropped
     logits = logits_at(model, h, (n - 1).clamp(min=0), B)  # (1, B, V)
     far_from_ties(logits)
-    c, conf = candidates(logits)  # what generate.take computes first, shown here
+    c, conf = generate.candidates(logits)  # what generate.take computes first, shown here
     assert (conf - TAU).abs().min() > 1e-3, "a probability lies within 1e-3 of τ"
     n_acc = int(generate.accept(conf, TAU)[0])
     kept = generate.take(rows, [0], logits, TAU)
@@ -57,7 +56,7 @@ def tau_section(model):
     """§5-§6: two τ-gated steps with the window cache; checked against generate.mars_decode."""
     prompt = [ID[w] for w in PROMPT.split()]
     rows = Rows(1, MAX_NEW, (EOS,))
-    cache = KVCache.for_model(model, 1, len(prompt) + MAX_NEW + 2 * B)
+    cache = model.new_cache(1, len(prompt) + MAX_NEW, step=2 * B)  # as window_steps makes it
     out = [f"## 2. One τ-gated step: {fn('generate.window_steps')} (§5, §6)", "",
            f"Prompt `{PROMPT}` ({len(prompt)} tokens), B = {B}, τ = {TAU}, greedy, the window cache "
            "(`cache=\"window\"`, the default). `window_steps` keeps its cache to itself, so the tour "
@@ -87,7 +86,7 @@ def tau_step_text(step, before, after, x, positions, c, conf, n_acc, kept):
            f"`model.hidden(x (1, {T}), cache=cache)` -> h (1, {T}, {C}), plain causal, against the "
            f"{before} cached slots; {fn('decoding.logits_at')} reads the last prefix output and the first "
            f"{B - 1} mask outputs -> logits (1, {B}, {V}) (the last mask's output is unused); "
-           f"{fn('decoding.candidates')} -> c (1, {B}) = their argmaxes, p (1, {B}) = their float32 "
+           f"{fn('generate.candidates')} -> c (1, {B}) = their argmaxes, p (1, {B}) = their float32 "
            "softmax probabilities (§5.2-3).", ""]
     out += candidates_table(x, positions, c, conf, n_acc)
     stop = f"; c_{n_acc} fails (p < τ) and ends the run" if n_acc < B else ""
@@ -110,7 +109,7 @@ def exact_run(model, prompt):
     internal to it). -> a dict of what the page shows."""
     device, s = next(model.parameters()).device, GREEDY
     rows = Rows(1, MAX_NEW, (EOS,))
-    cache = KVCache.for_model(model, 1, len(prompt) + MAX_NEW + (1 + K) ** 2)
+    cache = model.new_cache(1, len(prompt) + MAX_NEW, step=(1 + K) ** 2)  # as exact_steps makes it
     lens = torch.tensor([len(prompt)], device=device)
     x0 = pad_rows([prompt + [MASK] * K], MASK, device)  # (1, |P| + K): [prompt | G_0], plain causal
     h = model.hidden(x0, cache=cache)
@@ -119,7 +118,7 @@ def exact_run(model, prompt):
     c0 = pick(logits[:, :1], s)[:, 0].tolist()
     d, q = exact.draft(logits[:, 1:], 0.0, s)
     first = rows.keep([[c] for c in c0])
-    r = dict(x0=x0, prefill=candidates(logits), c0=c0[0], drafts=d[0], first=first[0],
+    r = dict(x0=x0, prefill=generate.candidates(logits), c0=c0[0], drafts=d[0], first=first[0],
              P=int(cache.lengths[0]))
     d = [[] if rows.done[b] else d[b][: rows.left(b) - 1] for b in range(1)]  # the budget cut
     tokens, positions, mask = exact.step_input(c0, d, K, cache.lengths, MASK)  # (1, T), (1, T), (T, T)
@@ -134,8 +133,8 @@ def exact_run(model, prompt):
     exact.keep_verified(cache, a, ~torch.tensor(rows.done, device=device))
     for lg in (logits, real, group):
         far_from_ties(lg)
-    r.update(tokens=tokens, positions=positions, mask=mask, C=h.shape[-1], real=candidates(real),
-             a=int(a[0]), bonus=int(bonus[0]), group=candidates(group), next=d_next[0], kept=kept[0],
+    r.update(tokens=tokens, positions=positions, mask=mask, C=h.shape[-1], real=generate.candidates(real),
+             a=int(a[0]), bonus=int(bonus[0]), group=generate.candidates(group), next=d_next[0], kept=kept[0],
              after=int(cache.lengths[0]))
     return r
 

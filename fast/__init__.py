@@ -1,0 +1,30 @@
+"""The engine: what makes the reference fast on a given machine, applied from outside.
+
+The root's model.py, kvcache.py and the loops of generate.py and exact.py are the reference a
+student steps through. Nothing there knows this package (the arrow runs one way: fast/
+imports the core, never the reverse). `make_fast(model)` takes a loaded model.Qwen2 and, in
+place, swaps in what computes the same thing faster (gpt-fast's quantize.py does the same
+with its modules):
+
+  linear.py     every nn.Linear -> FastLinear: weights packed once for oneDNN's CPU matmul,
+                and in bf16/fp16 the rows of a call in tiles of one fixed size (row invariance)
+  attention.py  every Attention -> TiledAttention: over a bf16/fp16 cache, query tiles of one
+                size against every slot (row invariance)
+  cache.py      FastCache: whole key blocks of slots, read in full in bf16/fp16; static (no
+                host sync in a forward) for a compiled step
+  step.py       FastQwen2: the model's new_cache and attention mask for the above, and its
+                decoding steps through one compiled, fixed-width step (`compile=True`)
+  argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised)
+
+The decoders are the reference's (generate.py, exact.py): they call model.hidden, model.new_cache
+and sampling.argmax, and these are what the engine replaces. What it must keep, and where it
+is proven (tests/test_engine.py, test_bf16.py, test_compile.py, test_compile_bf16.py):
+  * in exact arithmetic (float64) every swap computes the reference's numbers: the packed
+    matmul, the tiles, the static cache and the compiled step give the reference's tokens;
+  * in bf16 a row's bits do not depend on its batch or its decoder (the tiles), so exact mode
+    equals AR bit for bit; the reference makes no such promise.
+"""
+
+from fast.step import FastQwen2, make_fast
+
+__all__ = ["FastQwen2", "make_fast"]

@@ -1,0 +1,47 @@
+"""Attention for the two streams of MARS training as FlexAttention (issue 50; for a GPU).
+
+mars.two_stream_window lays a row out as [clean, l tokens | noisy window, W tokens]. Its mask
+(mars.mars_attention_mask restricted to those tokens) is structured: causal in the clean
+stream, causal inside each block of B in the noisy one, the clean tokens of earlier blocks.
+`two_stream_mask_mod` writes that rule as a FlexAttention mask_mod over (query, key) indices,
+so `create_block_mask` can skip the tiles no query may see (most of the noisy stream's clean
+context at long rows) and flex_attention can run fused, with grouped kv heads, without the
+dense (N, 1, W, l + W) mask that keeps sdpa off its flash kernels. One BlockMask serves every
+layer of a micro-batch.
+
+On the CPU flex_attention has no backward (torch 2.13): there the dense path of model.attend
+stays what trains; tests/test_fast_flex.py proves the rule equal to the dense mask on every
+(query, key) pair, no allowed pair in a skipped block, and flex's forward equal to model.attend
+in float64.
+"""
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+
+def two_stream_mask_mod(l, block_size, start, bidirectional=False):
+    """The mask_mod of an (l + W)-token two-stream row: query q may attend key kv (True)
+    by mars_attention_mask's rule, a noisy index i >= l standing for noisy position
+    start[b] + i - l of row b (start: (N,) window starts, as two_stream_window returns)."""
+    def mask_mod(b, h, q, kv):
+        q_noisy, k_noisy = q >= l, kv >= l
+        q_pos = torch.where(q_noisy, q - l + start[b], q)  # position inside its own stream
+        k_pos = torch.where(k_noisy, kv - l + start[b], kv)
+        causal = k_pos <= q_pos
+        q_blk, k_blk = q_pos // block_size, k_pos // block_size
+        clean_clean = ~q_noisy & ~k_noisy & causal
+        noisy_noisy = q_noisy & k_noisy & (q_blk == k_blk) & (causal | bidirectional)
+        noisy_clean = q_noisy & ~k_noisy & (k_blk < q_blk)
+        return clean_clean | noisy_noisy | noisy_clean  # clean -> noisy: never
+    return mask_mod
+
+
+def two_stream_block_mask(l, W, block_size, start, bidirectional=False, tile=128):
+    """The BlockMask of a micro-batch's two-stream rows (one for every layer)."""
+    mod = two_stream_mask_mod(l, block_size, start, bidirectional)
+    return create_block_mask(mod, start.shape[0], None, l + W, l + W, device=start.device, BLOCK_SIZE=tile)
+
+
+def flex_attend(q, k, v, block_mask, scale):
+    """model.attend over a BlockMask: q (N, nh, T, hd), k, v (N, nkv, T, hd) -> (N, nh, T, hd)."""
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -1,0 +1,68 @@
+"""Linear + cross-entropy that never stores the logits (issue 50; Liger-Kernel's fused linear
+cross-entropy, Cut Cross-Entropy, arXiv 2411.09009, do the same on a GPU).
+
+mars.py's loss applies the LM head to the n loss-carrying hidden states and takes the cross
+entropy in float32: on Qwen2.5 (V = 151,936) at 4 x 1,024 targets the fp32 logits alone are
+2.3 GiB, and autograd keeps them (or their log-probabilities) for the backward. `linear_cross_entropy`
+computes the same per-target losses over row chunks: each chunk's logits live only inside the
+chunk; the forward keeps the logsumexp of each row (n floats), and the backward recomputes each
+chunk's logits once more to form softmax - one-hot. The price: the head's matmul runs twice in
+the forward direction. Proven equal to F.cross_entropy (float64), its gradients included, with
+ignored targets and chunk sizes that do and do not divide the rows (tests/test_fast_loss.py).
+"""
+
+import torch
+
+IGNORE = -100  # as mars.IGNORE: a target that carries no loss (its loss and gradient are 0)
+
+
+def _chunk_logits(h, weight, bias=None):
+    """Logits of a row chunk in float32 (float64 stays float64), as mars._ce_at promotes them."""
+    logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-row CE of (h @ weight.T) against targets, chunk rows at a time (see the module)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):
+        n = h.shape[0]
+        loss = h.new_zeros(n, dtype=torch.promote_types(h.dtype, torch.float32))
+        lse = torch.empty_like(loss)
+        for i in range(0, n, chunk):
+            logits = _chunk_logits(h[i:i + chunk], weight)  # (c, V)
+            t = targets[i:i + chunk]
+            keep = t != IGNORE
+            lse[i:i + chunk] = torch.logsumexp(logits, -1)
+            picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
+            loss[i:i + chunk] = torch.where(keep, lse[i:i + chunk] - picked, torch.zeros_like(picked))
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.chunk = chunk
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for i in range(0, h.shape[0], ctx.chunk):
+            hc, t = h[i:i + ctx.chunk], targets[i:i + ctx.chunk]
+            probs = (_chunk_logits(hc, weight) - lse[i:i + ctx.chunk, None]).exp()  # softmax, (c, V)
+            keep = t != IGNORE
+            probs[keep, t[keep]] -= 1.0  # softmax - one-hot: d loss / d logits
+            g = probs * torch.where(keep, grad_loss[i:i + ctx.chunk], 0)[:, None]  # (c, V)
+            if grad_h is not None:
+                grad_h[i:i + ctx.chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_w is not None:
+                grad_w += g.T @ hc.to(g.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+
+
+def linear_cross_entropy(h, weight, targets, chunk=1024):
+    """F.cross_entropy(h @ weight.T, targets, reduction="none", ignore_index=-100) in float32 (or
+    wider), never holding more than `chunk` rows of logits: h (n, C), weight (V, C), targets (n,)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return LinearCrossEntropy.apply(h, weight, targets, chunk)
