@@ -143,7 +143,7 @@ def noisy_window(labels, block_size: int):
 
 
 def two_stream_window(ids, labels, mask_id: int, block_size: int, bidirectional: bool = False,
-                      trim: bool = True):
+                      trim: bool = True, window=None):
     """The MARS forward as it is run: [clean | noisy (window)], (N, l + W) inputs and
     position ids, the attention mask (model.TwoStreamMask) and the window starts (N,).
 
@@ -153,6 +153,8 @@ def two_stream_window(ids, labels, mask_id: int, block_size: int, bidirectional:
     block. The clean rows are plain causal over the clean stream, so only the noisy rows
     (N, W, l + W) are handed to attention as a tensor. trim = False keeps the whole noisy
     stream (W = l, start 0): the layout of two_stream_batch, rows (l, 2l) of the cached mask.
+    window = (start, W): a window the caller computed (noisy_window's, or a wider one that holds
+    it, whole blocks inside [0, l)), else noisy_window's own.
     """
     N, l = ids.shape
     full = cached_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
@@ -160,7 +162,7 @@ def two_stream_window(ids, labels, mask_id: int, block_size: int, bidirectional:
         inputs, position_ids = two_stream_batch(ids, labels, mask_id)  # (N, 2l) each
         start = torch.zeros(N, dtype=torch.long, device=ids.device)
         return inputs, position_ids, TwoStreamMask(full[l:]), start
-    start, W = noisy_window(labels, block_size)
+    start, W = noisy_window(labels, block_size) if window is None else window
     kept = start[:, None] + torch.arange(W, device=ids.device)  # (N, W) noisy positions kept
     clean = torch.arange(l, device=ids.device).expand(N, l)
     cols = torch.cat([clean, l + kept], dim=1)  # (N, l + W) index into [clean | noisy]

@@ -73,7 +73,8 @@ class Settings:
     # (util/precision.py); the tiny default stays fp32: at width 128 bf16 does not pay on the CPU
     dtype: str = "float32"
     #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
-    compile: bool = False  # torch.compile
+    compile: bool = False  # torch.compile: the static step of fast/train.py, compiled whole
+    bucket: int = 16  # compile=true: rows and the noisy window padded to multiples of this many tokens
     gradient_checkpointing: bool = False
     fsdp: bool = False  # under torchrun: FSDP2 fully_shard instead of DDP (7B)
     gpu_mem_gb: float = 0.0  # > 0: say whether estimate_memory fits this much
@@ -82,7 +83,8 @@ class Settings:
 # settings that may differ when resuming (they do not change the trajectory's maths)
 RESUME_FREE = {"data_dir", "out_dir", "init_from", "tokenizer", "log_interval", "eval_interval", "eval_rows",
                "ckpt_interval", "resume", "eval_at_end", "device", "compile", "gradient_checkpointing",
-               "micro_batch_size", "gpu_mem_gb", "two_stream", "trim_noisy"}
+               "micro_batch_size", "gpu_mem_gb", "two_stream", "trim_noisy",
+               "bucket"}
 
 
 def parse_settings(argv):
@@ -132,7 +134,7 @@ def parse_settings(argv):
         raise SystemExit("freeze_vocab=true is not implemented with fsdp=true (sharded gradients)")
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
-    for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "log_interval",
+    for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "bucket", "log_interval",
               "eval_interval", "ckpt_interval"):
         if getattr(s, k) < 1:
             raise SystemExit(f"{k} must be >= 1, got {getattr(s, k)}")

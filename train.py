@@ -44,6 +44,7 @@ import torch.nn as nn
 from checkpoint import gather, load_optimizer, load_train_state, write_checkpoint, write_release
 from data.batches import batch_rows, fingerprint, make_batch, make_teacher
 from data.prepare import load_npz
+from fast.train import ar_loss_static, mars_loss_static, static_batch
 from mars import ar_loss, inverse_t_weights, mars_loss
 from model import Qwen2, Qwen2Config, init_weights
 from settings import RESUME_FREE, Settings, parse_settings
@@ -64,13 +65,21 @@ class StageLoss(nn.Module):
         super().__init__()
         self.model, self.S, self.mask_id, self.stage = model, S, mask_id, "ar"
 
-    def forward(self, ids, labels, teacher=None, row_weight=None):
+    def forward(self, ids, labels, teacher=None, row_weight=None, window=None):
         """teacher (make_teacher) makes L_AR the KL to it (ar_target = "teacher"), else CE;
-        row_weight (row_t_weights) multiplies each row's L_mask (inv_t_weight)."""
+        row_weight (row_t_weights) multiplies each row's L_mask (inv_t_weight). window: a
+        static_batch's noisy window, for the static step of compile=true (fast/train.py: the
+        same loss with fixed shapes and no host sync, compiled whole)."""
+        S = self.S
+        if window is not None and self.stage == "ar":
+            loss = ar_loss_static(self.model, ids, labels)
+            return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
+        if window is not None:
+            return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
+                                    S.bidirectional)
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
             loss = ar_loss(self.model, ids, labels, teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
-        S = self.S
         return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
                          two_stream=S.two_stream, trim_noisy=S.trim_noisy, ar_teacher=teacher,
                          noisy_row_weight=row_weight)
@@ -171,15 +180,33 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
     acc = torch.zeros(2, dtype=torch.float64, device=device)
     net.train(False)
     for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
-        x, y, _ = make_batch(val, part, S, special, device)  # the same number of forwards on every rank
+        x, y, _, window = step_batch(val, part, S, special, device)  # the same forwards on every rank
         teacher = make_teacher(val, part, S, special, device)
         with amp:
             n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=device)
-            acc += torch.stack([runner(x, y, teacher)[0].double() * n_part, n_part])
+            acc += torch.stack([runner(x, y, teacher, None, window)[0].double() * n_part, n_part])
     net.train(True)
     if world > 1:
         dist.all_reduce(acc)
     return (acc[0] / acc[1]).item() if n else None
+
+
+def static_step(S):
+    """Whether steps run as fast/train.py's static step, compiled whole: compile=true with the
+    loss it covers (CE on the tokens, no 1/t row weights)."""
+    return S.compile and S.ar_target == "tokens" and not S.inv_t_weight
+
+
+def step_batch(d, part, S, special, device):
+    """A micro-batch on `device` -> ids, labels, tokens, window: make_batch's, or for the static
+    step bucketed and its noisy window sized on the host before the copy (static_batch), so the
+    step reads nothing back from the device; window None otherwise."""
+    if not static_step(S):
+        return *make_batch(d, part, S, special, device), None
+    x, y, n_tok = make_batch(d, part, S, special, "cpu")
+    x, y, (start, W) = static_batch(x, y, special["pad"], S.block_size, S.bucket)
+    to = lambda t: t.to(device, non_blocking=True)
+    return to(x), to(y), n_tok, (to(start), W)
 
 
 def main(argv=None):
@@ -342,7 +369,10 @@ def build_model(r, state):
             fully_shard(layer, mp_policy=mp)
         fully_shard(r.net, mp_policy=mp)
         r.amp = nullcontext()
-    r.runner = torch.compile(r.net) if S.compile else r.net
+    if static_step(S):  # one graph per bucketed shape, compiled whole; 8 shapes would be too few
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    r.runner = torch.compile(r.net, fullgraph=static_step(S), dynamic=False if static_step(S) else None) \
+        if S.compile else r.net
     if r.world > 1 and not S.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -414,14 +444,14 @@ def train_step(r, opt, stage, step):
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
         part = rows[k * mb:(k + 1) * mb]
-        x, y, n_tok = make_batch(r.data["train"], part, S, r.special, r.device)
+        x, y, n_tok, window = step_batch(r.data["train"], part, S, r.special, r.device)
         teacher = make_teacher(r.data["train"], part, S, r.special, r.device)
         row_weight = row_t_weights(S, stage, step, k, len(part), r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)
         with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
             with r.amp:
-                loss, l_mask, l_ar = r.runner(x, y, teacher, row_weight)  # means over this micro-batch's rows
+                loss, l_mask, l_ar = r.runner(x, y, teacher, row_weight, window)  # means over its rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
         acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
                             l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])

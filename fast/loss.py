@@ -16,9 +16,10 @@ import torch
 IGNORE = -100  # as mars.IGNORE: a target that carries no loss (its loss and gradient are 0)
 
 
-def _chunk_logits(h, weight, bias=None):
-    """Logits of a row chunk in float32 (float64 stays float64), as mars._ce_at promotes them."""
-    logits = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+def _chunk_logits(h, weight):
+    """Logits of a row chunk in h's dtype (under autocast: bf16, the forward and the backward's
+    recomputation alike), then float32 (float64 stays float64), as mars._ce_at promotes them."""
+    logits = h @ weight.to(h.dtype).T
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
@@ -51,7 +52,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             hc, t = h[i:i + ctx.chunk], targets[i:i + ctx.chunk]
             probs = (_chunk_logits(hc, weight) - lse[i:i + ctx.chunk, None]).exp()  # softmax, (c, V)
             keep = t != IGNORE
-            probs[keep, t[keep]] -= 1.0  # softmax - one-hot: d loss / d logits
+            # softmax - one-hot: d loss / d logits (a scatter, not boolean indexing: static shapes)
+            probs.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None].to(probs.dtype))
             g = probs * torch.where(keep, grad_loss[i:i + ctx.chunk], 0)[:, None]  # (c, V)
             if grad_h is not None:
                 grad_h[i:i + ctx.chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)

@@ -1,0 +1,83 @@
+"""A static, sync-free MARS training step (issue 50): mars.mars_loss with fixed shapes.
+
+mars.mars_loss is the reference: it finds the loss-carrying targets with `nonzero`, sizes the
+noisy window with `int(...)` and applies the LM head to exactly the n targets, so every
+micro-batch has its own shapes and two host syncs, and torch.compile breaks its graph there.
+Here the same loss is computed with shapes fixed by the batch alone:
+
+  * `static_batch` pads the rows to a multiple of `bucket` tokens and sizes the noisy window on
+    the host, before the batch is copied to the device (noisy_window's start and W, W rounded up
+    to whole buckets): no device sync, and a handful of shapes over a run;
+  * every output of both streams goes through the LM head with its target, the ignored ones
+    carrying IGNORE (zero loss, zero gradient), by fast.loss.linear_cross_entropy, which never
+    holds the logits of more than a chunk of rows;
+  * the per-sequence mean from per-row counts, with no index_add over gathered rows.
+
+Padding a row with padding (label IGNORE) changes no loss and no gradient (pads come after
+every real token, and a noisy block of pads is read by nothing), nor does a wider window: so
+this is the reference's loss, proven equal with its gradients in float64 (tests/test_fast_train.py).
+What it costs: the head runs on the prompt's outputs too. The L_AR teacher and the 1/t row
+weights stay the reference's (mars_loss).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fast.loss import linear_cross_entropy
+from mars import IGNORE, noisy_window, two_stream_window
+
+
+def round_up(n, m):
+    return -(-n // m) * m
+
+
+def static_batch(ids, labels, pad_id, block_size, bucket=16):
+    """Rows (N, l) on the host -> (ids, labels) padded to l' = a multiple of `bucket` and of B, and
+    the noisy window (start (N,), W) for mars_loss_static, W a multiple of the same, <= l'."""
+    unit = math.lcm(bucket, block_size)
+    N, l = ids.shape
+    L = round_up(l, unit)
+    ids = F.pad(ids, (0, L - l), value=pad_id)
+    labels = F.pad(labels, (0, L - l), value=IGNORE)
+    start, W = noisy_window(labels, block_size)  # host tensors: int() here reads no device
+    W = min(round_up(W, unit), L)
+    return ids, labels, (torch.minimum(start, torch.full_like(start, L - W)), W)
+
+
+def per_sequence_mean(ce, count):
+    """mars._per_sequence_mean from a (N, T) loss with zeros where there is no target and the
+    (N,) target counts: each row's mean, averaged over the rows that have a target."""
+    has = count > 0
+    return (ce.sum(1) / count.clamp(min=1) * has).sum() / has.sum().clamp(min=1)
+
+
+def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bidirectional=False,
+                     chunk=1024):
+    """mars.mars_loss(..., trim_noisy=True) of a static_batch: (loss, l_mask, l_ar)."""
+    N, l = ids.shape
+    inputs, position_ids, mask, start = two_stream_window(ids, labels, mask_id, block_size, bidirectional,
+                                                          window=window)
+    W = inputs.shape[1] - l
+    h = model.hidden(inputs, position_ids, mask)  # (N, l + W, C)
+    C, weight = h.shape[-1], model.lm_head.weight
+    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # (N, l): the target of output i (§3's right shift)
+    count = (target != IGNORE).sum(1)  # (N,)
+    kept = start[:, None] + torch.arange(W, device=ids.device)  # (N, W): the noisy positions in the window
+    noisy = linear_cross_entropy(h[:, l:].reshape(-1, C), weight, target.gather(1, kept).reshape(-1), chunk)
+    l_mask = per_sequence_mean(noisy.view(N, W), count)
+    if w == 0:
+        return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
+    clean = linear_cross_entropy(h[:, :l].reshape(-1, C), weight, target.reshape(-1), chunk)
+    l_ar = per_sequence_mean(clean.view(N, l), count)
+    return l_mask + w * l_ar, l_mask, l_ar
+
+
+def ar_loss_static(model, ids, labels, chunk=1024):
+    """mars.ar_loss (plain AR SFT, §2) of a static_batch: every output with its target."""
+    N, l = ids.shape
+    h = model.hidden(ids)  # (N, l, C)
+    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    ce = linear_cross_entropy(h.reshape(-1, h.shape[-1]), model.lm_head.weight, target.reshape(-1), chunk)
+    return per_sequence_mean(ce.view(N, l), (target != IGNORE).sum(1))
