@@ -195,7 +195,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
     needs no forward, giving n)."""
     N, device = len(prompts), model.lm_head.weight.device
     rows = Rows(N, max_new, eos_ids)
-    cache = model.new_cache(N, max(map(len, prompts)) + max_new, step=block_cache + B)
+    cache = model.new_cache(N, max(map(len, prompts)) + max_new, step=block_cache + B - 1)  # the whole block
     lens = torch.tensor([len(p) for p in prompts], device=device)
     last = extend_cache(model, cache, pad_rows(prompts, mask_id, device), lens)  # prefill, (N, C)
     forwards = 1

@@ -16,7 +16,9 @@ weights under another name); `llama` without rope scaling or biases (e.g. SmolLM
 scripts/convert_gguf.py), built with no bias tensors so it saves back as `llama`.
 
 This is the reference: nn.Linear, one attention function, in the weights' dtype (float32,
-or float64 for a student stepping through it). It never asks which machine it runs on. What
+or float64 for a student stepping through it). Its one question of the device: on CUDA a
+masked attention copies the kv heads (`attend`: sdpa's fused kernels take no grouped heads
+with a mask). What
 makes decoding fast (weights packed for oneDNN, row tiles that make bf16 batch-invariant, a
 static cache, a compiled step) is fast/, which swaps modules of a loaded model from outside
 and is proven equal to this file.
@@ -173,7 +175,7 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(N, T, self.n_head * self.hd))
 
     def attention(self, q, k, v, mask):
-        """`attend` at this layer's scale 1/sqrt(hd)."""
+        """`attend` at this layer's scale 1/sqrt(hd) (a seam: fast/ swaps in a tiled one)."""
         return attend(q, k, v, mask, self.hd ** -0.5)
 
 
@@ -322,13 +324,15 @@ class Qwen2(nn.Module):
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
 
     def attention_mask(self, T, attn_mask=None, cache=None):
-        """The mask every layer's attention reads for T new tokens: `build_mask`'s."""
+        """The mask every layer's attention reads for T new tokens: `build_mask`'s (a seam:
+        fast/ makes it once per forward in the form its tiled attention reads)."""
         return build_mask(T, attn_mask, cache)
 
     def new_cache(self, batch_size, max_len, step=1):
         """An empty KV cache in this model's dtype and device for `batch_size` rows of up to
         `max_len` committed tokens, with room for one forward of `step` tokens past them (the
-        widest forward a decoder runs: its masks and drafts are written, never committed)."""
+        widest forward a decoder runs: its masks and drafts are written, never committed). A
+        seam: fast/ makes its own cache here."""
         cfg, p = self.config, self.lm_head.weight
         return KVCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
                        max_len, step, p.dtype, p.device)

@@ -74,7 +74,7 @@ class Settings:
     dtype: str = "float32"
     #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
     compile: bool = False  # torch.compile: the static step of fast/train.py, compiled whole
-    bucket: int = 16  # compile=true: rows and the noisy window padded to multiples of this many tokens
+    bucket: int = 16  # compile=true: rows and the noisy window padded to this many tokens x a power of 2
     gradient_checkpointing: bool = False
     fsdp: bool = False  # under torchrun: FSDP2 fully_shard instead of DDP (7B)
     gpu_mem_gb: float = 0.0  # > 0: say whether estimate_memory fits this much

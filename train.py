@@ -44,7 +44,6 @@ import torch.nn as nn
 from checkpoint import gather, load_optimizer, load_train_state, write_checkpoint, write_release
 from data.batches import batch_rows, fingerprint, make_batch, make_teacher
 from data.prepare import load_npz
-from fast.train import ar_loss_static, mars_loss_static, static_batch
 from mars import ar_loss, inverse_t_weights, mars_loss
 from model import Qwen2, Qwen2Config, init_weights
 from settings import RESUME_FREE, Settings, parse_settings
@@ -71,18 +70,26 @@ class StageLoss(nn.Module):
         static_batch's noisy window, for the static step of compile=true (fast/train.py: the
         same loss with fixed shapes and no host sync, compiled whole)."""
         S = self.S
-        if window is not None and self.stage == "ar":
-            loss = ar_loss_static(self.model, ids, labels)
-            return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         if window is not None:
-            return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
-                                    S.bidirectional)
+            return self.static_loss(ids, labels, window)
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
             loss = ar_loss(self.model, ids, labels, teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
                          two_stream=S.two_stream, trim_noisy=S.trim_noisy, ar_teacher=teacher,
                          noisy_row_weight=row_weight)
+
+
+    def static_loss(self, ids, labels, window):
+        """The stage's loss by fast/train.py's static step (compile=true): the same loss."""
+        from fast.train import ar_loss_static, mars_loss_static  # the engine, only when asked for
+
+        if self.stage == "ar":
+            loss = ar_loss_static(self.model, ids, labels)
+            return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
+        S = self.S
+        return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
+                                S.bidirectional)
 
 
 def row_t_weights(S, stage, step, slot, n, device):
@@ -193,8 +200,10 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
 
 def static_step(S):
     """Whether steps run as fast/train.py's static step, compiled whole: compile=true with the
-    loss it covers (CE on the tokens, no 1/t row weights)."""
-    return S.compile and S.ar_target == "tokens" and not S.inv_t_weight
+    loss it covers (CE on the tokens, no 1/t row weights, the two-stream window as trained by
+    default) and without FSDP (its hooks do not trace into one graph); else the reference loss."""
+    return S.compile and S.ar_target == "tokens" and not S.inv_t_weight and S.two_stream and S.trim_noisy \
+        and not S.fsdp
 
 
 def step_batch(d, part, S, special, device):
@@ -203,6 +212,8 @@ def step_batch(d, part, S, special, device):
     step reads nothing back from the device; window None otherwise."""
     if not static_step(S):
         return *make_batch(d, part, S, special, device), None
+    from fast.train import static_batch  # the engine, only when asked for
+
     x, y, n_tok = make_batch(d, part, S, special, "cpu")
     x, y, (start, W) = static_batch(x, y, special["pad"], S.block_size, S.bucket)
     to = lambda t: t.to(device, non_blocking=True)
@@ -369,7 +380,7 @@ def build_model(r, state):
             fully_shard(layer, mp_policy=mp)
         fully_shard(r.net, mp_policy=mp)
         r.amp = nullcontext()
-    if static_step(S):  # one graph per bucketed shape, compiled whole; 8 shapes would be too few
+    if static_step(S):  # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     r.runner = torch.compile(r.net, fullgraph=static_step(S), dynamic=False if static_step(S) else None) \
         if S.compile else r.net

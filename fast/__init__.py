@@ -14,7 +14,16 @@ with its modules):
                 host sync in a forward) for a compiled step
   step.py       FastQwen2: the model's new_cache and attention mask for the above, and its
                 decoding steps through one compiled, fixed-width step (`compile=True`)
-  argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised)
+  argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised); installed
+                as sampling.argmax for the whole process (the same answer: proven)
+
+For training (issue 50; train.py uses fast.train under compile=true):
+
+  train.py      the static MARS step: rows and the noisy window bucketed on the host, the loss
+                over every output with its target or the ignore index (no nonzero, no sync)
+  loss.py       linear + cross-entropy in row chunks: the logits never held whole
+  flex.py       the two-stream mask as a FlexAttention mask_mod (for a GPU; not yet wired into
+                training: on the CPU flex_attention has no backward)
 
 The decoders are the reference's (generate.py, exact.py): they call model.hidden, model.new_cache
 and sampling.argmax, and these are what the engine replaces. What it must keep, and where it

@@ -4,7 +4,7 @@ Row invariance (bf16, fp16; see linear.py): attention reads the whole cache at e
 slot count a multiple of KEY_BLOCK, the slots a row may not see masked (`fixed_shapes`). Every
 attention call of a decode then has one key count, whatever the rows' lengths and the step. A
 key block past every row's end is fully masked and adds exact zeros, so the capacity itself
-does not change a row either. In fp32 attention reads the slots in use, as the reference.
+does not change a row either. In fp32 a cache that is not static reads the slots in use, as the reference.
 
 Static (`static=True`, what a compiled step uses): no host sync in a forward. `begin` does not
 read the lengths back (the decoder sized the cache so that nothing can overflow), attention

@@ -13,13 +13,15 @@ ignored targets and chunk sizes that do and do not divide the rows (tests/test_f
 
 import torch
 
-IGNORE = -100  # as mars.IGNORE: a target that carries no loss (its loss and gradient are 0)
+from mars import IGNORE  # a target that carries no loss (its loss and gradient are 0)
 
 
-def _chunk_logits(h, weight):
-    """Logits of a row chunk in h's dtype (under autocast: bf16, the forward and the backward's
-    recomputation alike), then float32 (float64 stays float64), as mars._ce_at promotes them."""
-    logits = h @ weight.to(h.dtype).T
+def _chunk_logits(h, weight, dtype):
+    """Logits of a row chunk computed in `dtype` (the forward's: autocast's, else h's), then
+    float32 (float64 stays float64), as mars._ce_at promotes them. Autocast is off inside, so
+    the backward, which runs outside autocast, recomputes the very logits the forward had."""
+    with torch.autocast(h.device.type, enabled=False):
+        logits = h.to(dtype) @ weight.to(dtype).T
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
@@ -28,18 +30,20 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk):
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         n = h.shape[0]
-        loss = h.new_zeros(n, dtype=torch.promote_types(h.dtype, torch.float32))
+        loss = h.new_zeros(n, dtype=torch.promote_types(dtype, torch.float32))
         lse = torch.empty_like(loss)
         for i in range(0, n, chunk):
-            logits = _chunk_logits(h[i:i + chunk], weight)  # (c, V)
+            logits = _chunk_logits(h[i:i + chunk], weight, dtype)  # (c, V)
             t = targets[i:i + chunk]
             keep = t != IGNORE
             lse[i:i + chunk] = torch.logsumexp(logits, -1)
             picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
             loss[i:i + chunk] = torch.where(keep, lse[i:i + chunk] - picked, torch.zeros_like(picked))
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.dtype = chunk, dtype
         return loss
 
     @staticmethod
@@ -50,13 +54,14 @@ class LinearCrossEntropy(torch.autograd.Function):
             if ctx.needs_input_grad[1] else None
         for i in range(0, h.shape[0], ctx.chunk):
             hc, t = h[i:i + ctx.chunk], targets[i:i + ctx.chunk]
-            probs = (_chunk_logits(hc, weight) - lse[i:i + ctx.chunk, None]).exp()  # softmax, (c, V)
+            logits = _chunk_logits(hc, weight, ctx.dtype)
+            probs = (logits - lse[i:i + ctx.chunk, None]).exp()  # the softmax, (c, V)
             keep = t != IGNORE
             # softmax - one-hot: d loss / d logits (a scatter, not boolean indexing: static shapes)
             probs.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None].to(probs.dtype))
             g = probs * torch.where(keep, grad_loss[i:i + ctx.chunk], 0)[:, None]  # (c, V)
-            if grad_h is not None:
-                grad_h[i:i + ctx.chunk] = (g.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_h is not None:  # through the matmul in the forward's dtype, as autograd would
+                grad_h[i:i + ctx.chunk] = (g.to(ctx.dtype) @ weight.to(ctx.dtype)).to(h.dtype)
             if grad_w is not None:
                 grad_w += g.T @ hc.to(g.dtype)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None

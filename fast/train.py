@@ -5,9 +5,11 @@ noisy window with `int(...)` and applies the LM head to exactly the n targets, s
 micro-batch has its own shapes and two host syncs, and torch.compile breaks its graph there.
 Here the same loss is computed with shapes fixed by the batch alone:
 
-  * `static_batch` pads the rows to a multiple of `bucket` tokens and sizes the noisy window on
-    the host, before the batch is copied to the device (noisy_window's start and W, W rounded up
-    to whole buckets): no device sync, and a handful of shapes over a run;
+  * `static_batch` pads the rows to a length on a ladder (`bucket` tokens times a power of
+    two) and sizes the noisy window on the host, before the batch is copied to the device
+    (noisy_window's start and W, W rounded up the same ladder): no device sync, and few shapes
+    over a run: at most (k + 1)(k + 2)/2 (rows, window) pairs for rows up to bucket x 2^k tokens
+    (21 at 512 tokens and bucket 16), each one graph of the compiled step;
   * every output of both streams goes through the LM head with its target, the ignored ones
     carrying IGNORE (zero loss, zero gradient), by fast.loss.linear_cross_entropy, which never
     holds the logits of more than a chunk of rows;
@@ -29,20 +31,27 @@ from fast.loss import linear_cross_entropy
 from mars import IGNORE, noisy_window, two_stream_window
 
 
-def round_up(n, m):
-    return -(-n // m) * m
+def ladder(n, unit):
+    """The smallest unit x 2^k >= n: the bucketed sizes, few of them (log2 of the range)."""
+    size = unit
+    while size < n:
+        size *= 2
+    return size
 
 
 def static_batch(ids, labels, pad_id, block_size, bucket=16):
-    """Rows (N, l) on the host -> (ids, labels) padded to l' = a multiple of `bucket` and of B, and
-    the noisy window (start (N,), W) for mars_loss_static, W a multiple of the same, <= l'."""
-    unit = math.lcm(bucket, block_size)
+    """Rows (N, l) on the host, l a multiple of B (mars.collate) -> (ids, labels) padded to L =
+    ladder(l) over units of lcm(bucket, B), and the noisy window (start (N,), W) for
+    mars_loss_static, W = ladder(noisy_window's W), <= L."""
     N, l = ids.shape
-    L = round_up(l, unit)
+    if l % block_size:
+        raise ValueError(f"row length {l} is not a multiple of block_size {block_size} (use mars.pad_row)")
+    unit = math.lcm(bucket, block_size)
+    L = ladder(l, unit)
     ids = F.pad(ids, (0, L - l), value=pad_id)
     labels = F.pad(labels, (0, L - l), value=IGNORE)
     start, W = noisy_window(labels, block_size)  # host tensors: int() here reads no device
-    W = min(round_up(W, unit), L)
+    W = min(ladder(W, unit), L)
     return ids, labels, (torch.minimum(start, torch.full_like(start, L - W)), W)
 
 

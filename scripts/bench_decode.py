@@ -48,9 +48,11 @@ import time
 
 import torch
 
+import sampling
 from exact import exact_steps
+from fast.argmax import block_argmax
 from fast.linear import FastLinear, pack
-from fast.step import compile_step
+from fast.step import FastQwen2, compile_step
 from generate import ar_decode, mars_decode
 from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
 from util.precision import dtype_name
@@ -74,7 +76,25 @@ def decoders(args, model, mask_id, eos_ids):
         step = compile_step(model).compiled
         model.compiled = None
         out.update({f"{name} compiled": compiled_run(model, step, dec) for name, dec in list(out.items())})
-    return out
+    pick = block_argmax if isinstance(model, FastQwen2) else REFERENCE_ARGMAX
+    return {name: with_argmax(pick, dec) for name, dec in out.items()}
+
+
+REFERENCE_ARGMAX = sampling.argmax  # before any make_fast installs the engine's
+
+
+def with_argmax(pick, dec):
+    """dec with sampling.argmax = pick while each of its steps runs: the reference's rows time
+    the reference's argmax, though make_fast installed the engine's for the process."""
+    def run(prompts):
+        steps = dec(prompts)
+        while True:
+            sampling.argmax = pick
+            s = next(steps, None)
+            if s is None:
+                return
+            yield s
+    return run
 
 
 def compiled_run(model, step, dec):

@@ -52,6 +52,7 @@ from scripts.common import ints, machine
 from util.atomic import atomic_write
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM), the vendors' figures
 MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
 
 
@@ -343,17 +344,31 @@ def train_section(out, budget):
         estimate_GiB=estimate_memory(Qwen2Config(), S) / 2**30,
         rows=[],
     )
-    for compiled in (False, True):
-        for kind in ("AR", "MARS"):
-            if budget.left() > (150 if compiled else 45):
-                res["rows"].append(train_one(cfg, S, kind, compiled))
-                empty_cache()
+    # the static step compiled (fast/train.py, what train.py --compile=true runs) first: the
+    # compiled rows are the ones that did not fit the budget before
+    for kind, compiled in (("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False),
+                           ("AR", True), ("MARS", True)):
+        if budget.left() > (150 if compiled else 45):
+            res["rows"].append(train_one(cfg, S, kind, compiled))
+            empty_cache()
     out["train"] = res
 
 
+def peak_flops():
+    """The GPU's dense bf16 peak (FLOP/s) by its name, or None (a CPU, an unknown card)."""
+    if RUN.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
 def train_one(cfg, S, kind, compiled):
-    """Warm-up step, then the fastest of RUN.timed_steps steps, and their peak memory (on CUDA)."""
-    from mars import ar_loss, mars_loss
+    """Warm-up step, then the fastest of RUN.timed_steps steps, their peak memory (on CUDA), the
+    step's model FLOPs (util/flops.py: the reference's work, whichever step runs) and MFU. kind:
+    AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py)."""
+    from fast.train import ar_loss_static, mars_loss_static, static_batch
+    from mars import IGNORE, ar_loss, mars_loss, noisy_window
+    from util.flops import ar_step_flops, mars_step_flops
 
     model = init_weights(Qwen2(cfg), seed=0).to(RUN.device)
     model.gradient_checkpointing = True
@@ -363,12 +378,22 @@ def train_one(cfg, S, kind, compiled):
     T = RUN.row_tokens
     ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(RUN.device)
     labels = ids.clone()
-    labels[:, : T // 4] = -100  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
+    labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
+    N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
+    flops = ar_step_flops(cfg, N, T, targets) if kind.startswith("AR") else \
+        mars_step_flops(cfg, N, T, W, targets)
+    x, y, window = static_batch(ids.cpu(), labels.cpu(), 0, 4, 128)
+    x, y, window = x.to(RUN.device), y.to(RUN.device), (window[0].to(RUN.device), window[1])
 
-    def loss_of(x, y):
-        return ar_loss(model, x, y) if kind == "AR" else mars_loss(model, x, y, MASK, 4, trim_noisy=True)[0]
+    def loss_of(ids, labels):
+        if kind == "AR static":
+            return ar_loss_static(model, x, y)
+        if kind == "MARS static":
+            return mars_loss_static(model, x, y, window, MASK, 4)[0]
+        return ar_loss(model, ids, labels) if kind == "AR" else mars_loss(model, ids, labels, MASK, 4,
+                                                                         trim_noisy=True)[0]
 
-    loss_fn = torch.compile(loss_of) if compiled else loss_of
+    loss_fn = torch.compile(loss_of, fullgraph=kind.endswith("static")) if compiled else loss_of
 
     def one_step():
         with torch.autocast(RUN.device, dtype=torch.bfloat16):
@@ -383,7 +408,9 @@ def train_one(cfg, S, kind, compiled):
         torch.cuda.reset_peak_memory_stats()
     times = [timed(one_step)[0] for _ in range(RUN.timed_steps)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak)
+    peak_fl = peak_flops()
+    return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
+                mfu=None if peak_fl is None else flops / min(times) / peak_fl)
 
 
 def main_job_section(out, budget, d):
@@ -460,11 +487,15 @@ def page(out):
             f"{t['row_tokens']} tokens, bf16, "
             f"gradient checkpointing (estimate for {t['config']}: {t['estimate_GiB']:.1f} GiB)",
             "",
-            "| loss | compiled | ms/step | peak GiB |",
-            "|---|---|---|---|",
+            "| loss | compiled | ms/step | model TFLOP | MFU | x AR (same kind) | peak GiB |",
+            "|---|---|---|---|---|---|---|",
         ]
+        ar = {(r["loss"], r["compiled"]): r["ms"] for r in t["rows"] if r["loss"].startswith("AR")}
         lines += [
-            f"| {r['loss']} | {r['compiled']} | {r['ms']:.0f} | "
+            f"| {r['loss']} | {r['compiled']} | {r['ms']:.0f} | {r.get('tflops', float('nan')):.2f} | "
+            + (f"{100 * r['mfu']:.1f} % | " if r.get("mfu") is not None else "- | ")
+            + (f"{r['ms'] / ar[r['loss'].replace('MARS', 'AR'), r['compiled']]:.2f} | "
+               if (r["loss"].replace("MARS", "AR"), r["compiled"]) in ar else "- | ")
             + (f"{r['peak_GiB']:.2f} |" if r["peak_GiB"] is not None else "- |")
             for r in t["rows"]
         ]

@@ -45,8 +45,12 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
                           ("AR compiled alone = AR compiled in the batch", 2)}
     assert all(c["rows_equal"] == c["rows"] == 2 for c in alone.values())
 
-    assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [
-        ("AR", False), ("MARS", False), ("AR", True), ("MARS", True)]
+    assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [  # the static step first
+        ("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False), ("AR", True),
+        ("MARS", True)]
+    flops = {r["loss"]: r["tflops"] for r in res["train"]["rows"]}
+    assert flops["MARS"] > 1.5 * flops["AR"] > 0 and flops["MARS static"] == flops["MARS"]  # util/flops.py
+    assert all(r["mfu"] is None for r in res["train"]["rows"])  # no GPU peak on a CPU: no MFU claimed
     assert res["main"]["returncode"] == 0, res["main"]["last_lines"]
     # the toy section decodes the checkpoint the main job wrote: exact K = 2 = AR there too
     toy = {(r["decoder"], r["batch"]): r for r in res["toy"]["rows"]}

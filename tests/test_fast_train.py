@@ -1,6 +1,7 @@
 """Proofs for fast/train.py, the static MARS step: its loss and gradients are mars.mars_loss's
 (float64) on ragged rows, whatever the bucket (rows padded with pads, a wider noisy window) and
-the chunk of the LM head; w = 0 and the bidirectional ablation too; and the loss compiles whole
+the chunk of the LM head; w = 0 and the bidirectional ablation too; the buckets are few; and the
+loss compiles whole
 (fullgraph=True, dynamo's aot_eager backend) with one graph per bucketed shape: 20 steps of mixed
 lengths build no more graphs than they have shapes, and never break."""
 
@@ -41,6 +42,28 @@ def test_static_loss_and_gradients_equal_the_reference(B, lengths, bucket, chunk
     if bucket > 1 and w:  # the test can fail: another block size's loss differs
         other = loss_and_grads(model, lambda: mars_loss_static(model, x, y, window, MASK, B + 1, w))
         assert not close(other[0], ref[0], 1e-6)
+
+
+def test_the_buckets_are_few_and_hold_every_row_and_window():
+    """Rows of every length up to 512 (multiples of B = 4) and every reply span give at most 21
+    (rows, window) shapes at bucket 16 (units x 2^k, k <= 5: 6 x 7 / 2), so a compiled run builds
+    at most that many graphs per mode; every row keeps its tokens and every target's output its
+    place in the window."""
+    shapes = set()
+    for l in range(4, 513, 4):
+        for span in sorted({1, l // 3, l // 2, l - 1} - {0}):
+            ids = torch.arange(l)[None] % 50
+            labels = torch.full((1, l), -100)
+            labels[0, l - span:] = ids[0, l - span:]
+            x, y, (start, W) = static_batch(ids, labels, PAD, 4, 16)
+            L = x.shape[1]
+            shapes.add((L, W))
+            assert torch.equal(x[:, :l], ids) and (y[:, l:] == -100).all() and W <= L
+            outputs = [i - 1 for i in range(1, L) if y[0, i] != -100]
+            assert start[0] <= min(outputs) and max(outputs) < start[0] + W
+    assert len(shapes) <= 21, sorted(shapes)
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        static_batch(torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6, dtype=torch.long), PAD, 4)
 
 
 def test_the_static_loss_compiles_whole_without_recompiling_per_batch(fresh_dynamo):
