@@ -17,6 +17,10 @@ with its modules):
   argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised); installed
                 as sampling.argmax for the whole process (the same answer: proven)
 
+  loop.py       greedy AR with the whole step on the device (issue 49's first piece): forward,
+                head, argmax, EOS/budget cut and cache update in one function, compiled whole,
+                the host reading one flag every few steps
+
 For training (issue 50; train.py uses fast.train under compile=true):
 
   train.py      the static MARS step: rows and the noisy window bucketed on the host, the loss
