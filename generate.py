@@ -385,9 +385,9 @@ def parse_args(argv=None):
                    help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--device", default="auto", help="auto (the default): cuda when present, else cpu")
-    p.add_argument("--fast", action="store_true", help="decode through the engine (fast/): bf16 where "
-                   "the device has bf16 units, weights packed for oneDNN, row tiles; the default is the "
-                   "reference, float32 and plain")
+    p.add_argument("--fast", action="store_true", help="decode through the engine (fast/, "
+                   "docs/performance.md): bf16 where the device has bf16 units, batch-invariant; the "
+                   "default is the reference, float32 and plain")
     p.add_argument("--compile", action="store_true", help="--fast, with the decoding step compiled once "
                    "per shape (CUDA graphs on a GPU, inductor on the CPU; the first reply pays the compile)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),

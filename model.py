@@ -18,10 +18,9 @@ scripts/convert_gguf.py), built with no bias tensors so it saves back as `llama`
 This is the reference: nn.Linear, one attention function, in the weights' dtype (float32,
 or float64 for a student stepping through it). Its one question of the device: on CUDA a
 masked attention copies the kv heads (`attend`: sdpa's fused kernels take no grouped heads
-with a mask). What
-makes decoding fast (weights packed for oneDNN, row tiles that make bf16 batch-invariant, a
-static cache, a compiled step) is fast/, which swaps modules of a loaded model from outside
-and is proven equal to this file.
+with a mask). What makes decoding fast on a given machine, and bf16 decoding batch-invariant,
+is fast/ (docs/performance.md): it swaps modules of a loaded model from outside and is proven
+equal to this file.
 """
 
 import math
