@@ -58,6 +58,9 @@ def generate_ar_device(model, prompts, max_new_tokens, eos_ids=(), chunk=8, step
     eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
     done = torch.isin(first, eos) | (n_out >= max_new_tokens)
     tok = first[:, None].clone()
+    if device.type == "cuda":  # a CUDA graph updates these very tensors in place
+        for t in (tok, out, n_out, done, eos, cache.lengths):
+            torch._dynamo.mark_static_address(t)
     while not bool(done.all()):  # the one read, every `chunk` steps
         for _ in range(chunk):
             step(model, tok, cache.k, cache.v, cache.lengths, out, n_out, done, eos, max_new_tokens)

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 import torch
 
 import fast
+from decoding import Generation
 from exact import generate_exact
+from fast.loop import ar_step, generate_ar_device
 from fast.step import compile_step
 from generate import generate, generate_ar
 from model import Qwen2, Qwen2Config, init_weights
@@ -247,9 +249,23 @@ def decode_section(args, out, budget):
     budget.save(out)
     if budget.left() > 150:
         hf_rows(model, args.batch_sizes, args.new_tokens, rows, budget)
+    loop_rows(model, args, rows, budget)  # last: new, and it must not cost the rows above
     out["exact"] = exact_checks(rows)
     del model
     empty_cache()
+
+
+def loop_rows(model, args, rows, budget):
+    """AR with the whole step on the device (fast/loop.py: head, argmax, EOS/budget cut and cache
+    update in one compiled graph, CUDA graphs on a GPU; one host read per 8 tokens), at each
+    batch size: "AR device loop compiled" rows, beside the compiled AR (compared by the page's ratios)."""
+    mode = "reduce-overhead" if RUN.device == "cuda" else "default"
+    loop_step = torch.compile(ar_step, fullgraph=True, dynamic=False, mode=mode)
+    new = args.new_tokens
+    dec = lambda p: [Generation(ids, len(ids)) for ids in generate_ar_device(model, p, new, (), 8, loop_step)]
+    for batch in args.batch_sizes:
+        if budget.left() > 150:
+            run_ours(model, None, "AR device loop compiled", dec, prompts(batch, seed=batch), rows)
 
 
 def empty_cache():

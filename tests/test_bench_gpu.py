@@ -45,6 +45,8 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
                           ("AR compiled alone = AR compiled in the batch", 2)}
     assert all(c["rows_equal"] == c["rows"] == 2 for c in alone.values())
 
+    loop = {r["batch"]: r for r in res["decode"]["rows"] if r["decoder"] == "AR device loop compiled"}
+    assert set(loop) == {1, 2} and all(r["recompiles_after_warmup"] == 0 for r in loop.values())
     assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [  # the static step first
         ("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False), ("AR", True),
         ("MARS", True)]
