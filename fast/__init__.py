@@ -17,9 +17,9 @@ with its modules):
   argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised); installed
                 as sampling.argmax for the whole process (the same answer: proven)
 
-  loop.py       greedy AR with the whole step on the device (issue 49's first piece): forward,
-                head, argmax, EOS/budget cut and cache update in one function, compiled whole,
-                the host reading one flag every few steps
+  loop.py       greedy AR and the τ window with the whole step on the device (issue 49's first
+                pieces): forward, head, the τ rule, EOS/budget cut and cache update in one
+                function, compiled whole, the host reading one flag every few steps
 
 For training (issue 50; train.py uses fast.train under compile=true):
 

@@ -46,7 +46,7 @@ import torch
 import fast
 from decoding import Generation
 from exact import generate_exact
-from fast.loop import ar_step, generate_ar_device
+from fast.loop import ar_step, generate_ar_device, generate_window_device, window_step
 from fast.step import compile_step
 from generate import generate, generate_ar
 from model import Qwen2, Qwen2Config, init_weights
@@ -260,12 +260,19 @@ def loop_rows(model, args, rows, budget):
     update in one compiled graph, CUDA graphs on a GPU; one host read per 8 tokens), at each
     batch size: "AR device loop compiled" rows, beside the compiled AR (compared by the page's ratios)."""
     mode = "reduce-overhead" if RUN.device == "cuda" else "default"
-    loop_step = torch.compile(ar_step, fullgraph=True, dynamic=False, mode=mode)
+    ar = torch.compile(ar_step, fullgraph=True, dynamic=False, mode=mode)
+    window = torch.compile(window_step, fullgraph=True, dynamic=False, mode=mode)
     new = args.new_tokens
-    dec = lambda p: [Generation(ids, len(ids)) for ids in generate_ar_device(model, p, new, (), 8, loop_step)]
-    for batch in args.batch_sizes:
-        if budget.left() > 150:
-            run_ours(model, None, "AR device loop compiled", dec, prompts(batch, seed=batch), rows)
+    decs = {  # forwards are not counted on the device: a row's tokens stand in (tokens/forward 1)
+        "AR device loop compiled": lambda p: generate_ar_device(model, p, new, (), 8, ar),
+        "tau=0.95 window device loop compiled": lambda p: generate_window_device(model, p, 4, 0.95, new, MASK,
+                                                                                  (), 8, window),
+    }
+    for name, dec in decs.items():
+        for batch in args.batch_sizes:
+            if budget.left() > 150:
+                run = lambda p, dec=dec: [Generation(ids, len(ids)) for ids in dec(p)]
+                run_ours(model, None, name, run, prompts(batch, seed=batch), rows)
 
 
 def empty_cache():

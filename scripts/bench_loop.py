@@ -1,5 +1,6 @@
-"""Greedy AR with the whole step on the device (fast/loop.py) against the engine's compiled
-step loop (generate.generate_ar on fast.make_fast(model, compile=True)). Not a test.
+"""Greedy AR and the τ window with the whole step on the device (fast/loop.py) against the
+engine's compiled step loops (generate.generate_ar and generate.generate on
+fast.make_fast(model, compile=True)). Not a test.
 
 Both compiled (inductor on the CPU, CUDA graphs' mode on a GPU is bench_gpu's job), the chat
 questions, prefill included, alternated runs after a warm-up that compiles both; prints tokens/s
@@ -16,8 +17,8 @@ import torch
 
 import fast
 from checkpoint import load_checkpoint
-from fast.loop import ar_step, generate_ar_device
-from generate import generate_ar
+from fast.loop import ar_step, generate_ar_device, generate_window_device, window_step
+from generate import generate, generate_ar
 from scripts.common import QUESTIONS, ints, machine
 
 
@@ -29,29 +30,45 @@ def main():
     p.add_argument("--batch-sizes", type=ints, default=[1, 4])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--tau", type=float, default=0.95, help="the τ window's (B = 4)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(machine("cpu"))
     ck = load_checkpoint(args.ckpt, "cpu", getattr(torch, args.dtype))
     model = fast.make_fast(ck.model, compile=True)
-    step = torch.compile(ar_step, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
-    enc = lambda q: ck.tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+    opts = dict(fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    steps = {"AR": torch.compile(ar_step, **opts), "window": torch.compile(window_step, **opts)}
+    mask, tau = ck.mask_id, args.tau
+    def window(p):
+        return [g.ids for g in generate(model, p, block_size=4, tau=tau, max_new_tokens=n, mask_id=mask)]
+
+    def window_device(p):
+        return generate_window_device(model, p, 4, tau, n, mask, (), 8, steps["window"])
+
+    loops = {  # name -> (the compiled step loop, the device loop), each prompts -> ids per row
+        "AR": (lambda p: [g.ids for g in generate_ar(model, p, n)],
+               lambda p: generate_ar_device(model, p, n, (), 8, steps["AR"])),
+        f"tau={tau} window": (window, window_device),
+    }
     n = args.new_tokens
+    enc = lambda q: ck.tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
     for batch in args.batch_sizes:
         prompts = [enc(q) for q in QUESTIONS[:batch]]
-        generate_ar(model, prompts, n), generate_ar_device(model, prompts, n, (), 8, step)  # compile both
-        times = {"compiled step loop": [], "device loop": []}
-        for _ in range(args.rounds):
-            t = time.perf_counter()
-            a = [g.ids for g in generate_ar(model, prompts, n)]
-            times["compiled step loop"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            b = generate_ar_device(model, prompts, n, (), 8, step)
-            times["device loop"].append(time.perf_counter() - t)
-        rates = {k: n * batch / statistics.median(v) for k, v in times.items()}
-        print(f"batch {batch}: " + ", ".join(f"{k} {r:.1f} tokens/s" for k, r in rates.items())
-              + f" ({rates['device loop'] / rates['compiled step loop']:.2f}x); same tokens: {a == b}")
+        for name, (ref, dev) in loops.items():
+            ref(prompts), dev(prompts)  # the warm-up compiles both
+            times = {"compiled step loop": [], "device loop": []}
+            for _ in range(args.rounds):
+                t = time.perf_counter()
+                a = ref(prompts)
+                times["compiled step loop"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                b = dev(prompts)
+                times["device loop"].append(time.perf_counter() - t)
+            tokens = sum(map(len, a))
+            rates = {k: tokens / statistics.median(v) for k, v in times.items()}
+            print(f"batch {batch}, {name}: " + ", ".join(f"{k} {r:.1f} tokens/s" for k, r in rates.items())
+                  + f" ({rates['device loop'] / rates['compiled step loop']:.2f}x); same tokens: {a == b}")
 
 
 if __name__ == "__main__":
