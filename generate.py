@@ -130,8 +130,9 @@ def extend_cache(model, cache, tokens, n):
     return the final hidden state of each row's last committed token (N, C): the prefill,
     an AR step, and the block cache's per-block extension (§6 step 3). The stored "last
     logit" is kept as this hidden state; the LM head is applied when a candidate is read.
-    Only the first max(n) tokens are forwarded."""
-    h = model.hidden(tokens[:, : int(n.max())], cache=cache)
+    Every token is forwarded: the caller passes no more than the longest n (no length is read
+    back from the device here)."""
+    h = model.hidden(tokens, cache=cache)
     cache.commit(n)
     return h[torch.arange(h.shape[0], device=h.device), (n - 1).clamp(min=0)]
 
@@ -204,8 +205,8 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
     while not all(rows.done):
         growing = [b for b in rows.active() if filled[b] < block_cache]
         if not growing:  # (3) every row filled the block: commit it, start the next one
-            n = torch.tensor([0 if d else f for d, f in zip(rows.done, filled)], device=device)
-            last = extend_cache(model, cache, block, n)
+            n = [0 if d else f for d, f in zip(rows.done, filled)]
+            last = extend_cache(model, cache, block[:, :max(n)], torch.tensor(n, device=device))
             forwards += 1
             block.fill_(mask_id)
             filled = [0] * N
