@@ -31,10 +31,12 @@ from model import Attention, Qwen2, build_mask
 class FastQwen2(Qwen2):
     compiled = None  # the compiled decoding step (compile_step), None: every forward eager
 
-    def new_cache(self, batch_size, max_len, step=1):
+    def new_cache(self, batch_size, max_len, step=1, static=None):
+        """static: whether forwards read nothing back (default: when the step is compiled)."""
         cfg, p = self.config, self.lm_head.weight
+        static = self.compiled is not None if static is None else static
         return FastCache(cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cfg.head_dim,
-                         max_len, step, p.dtype, p.device, static=self.compiled is not None)
+                         max_len, step, p.dtype, p.device, static=static)
 
     def attention_mask(self, T, attn_mask=None, cache=None):
         mask = build_mask(T, attn_mask, cache)

@@ -55,6 +55,13 @@ def static_batch(ids, labels, pad_id, block_size, bucket=16):
     return ids, labels, (torch.minimum(start, torch.full_like(start, L - W)), W)
 
 
+def targets_of(labels):
+    """The target of every output i (§3's right shift: labels[:, i + 1]; IGNORE for the last),
+    (N, l), and each row's number of targets, (N,)."""
+    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return target, (target != IGNORE).sum(1)
+
+
 def per_sequence_mean(ce, count):
     """mars._per_sequence_mean from a (N, T) loss with zeros where there is no target and the
     (N,) target counts: each row's mean, averaged over the rows that have a target."""
@@ -71,8 +78,7 @@ def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bid
     W = inputs.shape[1] - l
     h = model.hidden(inputs, position_ids, mask)  # (N, l + W, C)
     C, weight = h.shape[-1], model.lm_head.weight
-    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # (N, l): the target of output i (§3's right shift)
-    count = (target != IGNORE).sum(1)  # (N,)
+    target, count = targets_of(labels)  # (N, l), (N,)
     kept = start[:, None] + torch.arange(W, device=ids.device)  # (N, W): the noisy positions in the window
     noisy = linear_cross_entropy(h[:, l:].reshape(-1, C), weight, target.gather(1, kept).reshape(-1), chunk)
     l_mask = per_sequence_mean(noisy.view(N, W), count)
@@ -87,6 +93,6 @@ def ar_loss_static(model, ids, labels, chunk=1024):
     """mars.ar_loss (plain AR SFT, §2) of a static_batch: every output with its target."""
     N, l = ids.shape
     h = model.hidden(ids)  # (N, l, C)
-    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    target, count = targets_of(labels)
     ce = linear_cross_entropy(h.reshape(-1, h.shape[-1]), model.lm_head.weight, target.reshape(-1), chunk)
-    return per_sequence_mean(ce.view(N, l), (target != IGNORE).sum(1))
+    return per_sequence_mean(ce.view(N, l), count)

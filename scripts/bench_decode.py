@@ -42,9 +42,11 @@ torch.compile built after the warm-up round (0: no recompile).
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -75,43 +77,40 @@ def decoders(args, model, mask_id, eos_ids):
     if args.compile and getattr(model, "compiled", False) is None:  # an engine, not yet compiled
         step = compile_step(model).compiled
         model.compiled = None
-        out.update({f"{name} compiled": compiled_run(model, step, dec) for name, dec in list(out.items())})
+        out.update({f"{name} compiled": each_step_in(lambda: compiled_step(model, step), dec)
+                    for name, dec in list(out.items())})
+    # the reference's rows time the reference's argmax, though make_fast installed the engine's
     pick = block_argmax if isinstance(model, FastQwen2) else REFERENCE_ARGMAX
-    return {name: with_argmax(pick, dec) for name, dec in out.items()}
+    argmax = lambda: mock.patch.object(sampling, "argmax", pick)
+    return {name: each_step_in(argmax, dec) for name, dec in out.items()}
 
 
 REFERENCE_ARGMAX = sampling.argmax  # before any make_fast installs the engine's
 
 
-def with_argmax(pick, dec):
-    """dec with sampling.argmax = pick while each of its steps runs: the reference's rows time
-    the reference's argmax, though make_fast installed the engine's for the process."""
+def each_step_in(context, dec):
+    """dec with each of its steps run inside a fresh context() (the decoders interleave step by
+    step, each with its own setting)."""
     def run(prompts):
         steps = dec(prompts)
         while True:
-            sampling.argmax = pick
-            s = next(steps, None)
-            if s is None:
-                return
-            yield s
-    return run
-
-
-def compiled_run(model, step, dec):
-    """dec with the model's decoding step compiled while each of its steps runs (eager between
-    them, when the other decoders step)."""
-    def run(prompts):
-        steps = dec(prompts)
-        while True:
-            model.compiled = step  # the cache a decoder makes in its first step is then static
-            try:
+            with context():
                 s = next(steps, None)
-            finally:
-                model.compiled = None
             if s is None:
                 return
             yield s
     return run
+
+
+@contextlib.contextmanager
+def compiled_step(model, step):
+    """model's decoding step compiled while inside (the cache a decoder makes in its first step
+    is then static), eager after."""
+    model.compiled = step
+    try:
+        yield
+    finally:
+        model.compiled = None
 
 
 def reference(name):
