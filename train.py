@@ -216,7 +216,8 @@ def step_batch(d, part, S, special, device):
 
     x, y, n_tok = make_batch(d, part, S, special, "cpu")
     x, y, (start, W) = static_batch(x, y, special["pad"], S.block_size, S.bucket)
-    to = lambda t: t.to(device, non_blocking=True)
+    pin = device.type == "cuda"  # a copy from pinned memory does not wait for the device
+    to = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)
     return to(x), to(y), n_tok, (to(start), W)
 
 
@@ -452,6 +453,7 @@ def train_step(r, opt, stage, step):
     accum = micro_batches(S, world)
     rows = batch_rows(r.data["train"], S, stage, step)  # the step's global batch
     acc = torch.zeros(4, dtype=torch.float64, device=r.device)  # loss, l_mask, l_ar, tokens of this process
+    n_tokens = 0  # counted on the host: no copy to the device per micro-batch
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
         part = rows[k * mb:(k + 1) * mb]
@@ -464,16 +466,18 @@ def train_step(r, opt, stage, step):
             with r.amp:
                 loss, l_mask, l_ar = r.runner(x, y, teacher, row_weight, window)  # means over its rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
-        acc += torch.stack([loss.detach().double() / accum, l_mask.double() / accum,
-                            l_ar.double() / accum, torch.tensor(n_tok, dtype=torch.float64, device=r.device)])
+        acc[:3] += torch.stack([v.detach().double() for v in (loss, l_mask, l_ar)]) / accum
+        n_tokens += n_tok
     if S.freeze_vocab:
         keep_mask_row(r.model, r.special["mask"])
     gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or math.inf)
-    gnorm = float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+    gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    acc[3] = n_tokens  # a fill with a host number: no copy, no sync
     if world > 1:
         dist.all_reduce(acc)
         acc[:3] /= world
-    loss_v, l_mask_v, l_ar_v, tokens = acc.tolist()
+    # the step's one read from the device: the logged numbers and the gradient norm together
+    loss_v, l_mask_v, l_ar_v, tokens, gnorm = torch.cat([acc, gnorm.reshape(1).double()]).tolist()
     if not (math.isfinite(loss_v) and math.isfinite(gnorm)):
         what = f"loss {loss_v}" if not math.isfinite(loss_v) else f"gradient norm {gnorm}"
         lr = opt.param_groups[0]["lr"]

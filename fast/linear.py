@@ -49,6 +49,18 @@ def row_tile(device):
     return _cpu_row_tile[0]
 
 
+def set_row_tile(device, n):
+    """Make `n` the row tile on `device` (a torch.device) for this process -> the one it replaces
+    (a benchmark's knob: scripts/bench_gpu measures which tile is cheapest on a GPU; every tile
+    is row-invariant, the construction is the same)."""
+    old = row_tile(device)
+    if device.type == "cuda":
+        ROW_TILE["cuda"] = n
+    else:
+        _cpu_row_tile[0] = n
+    return old
+
+
 def padded(x, n, dim):
     """x and copies of its first row along `dim`, n rows in all (the tiles' padding)."""
     shape = x.shape[:dim] + (n - x.shape[dim],) + x.shape[dim + 1:]

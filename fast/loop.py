@@ -1,141 +1,258 @@
-"""Greedy AR and the τ window with the whole step on the device (issue 49, its first pieces).
+"""Decoding with the whole step on the device: AR, the τ window and exact mode (issue 49).
 
-The reference decoders (generate.py, exact.py) run the LM head, the argmax, the EOS/budget cut
-and the cache update between forwards, in Python, reading the accepted tokens back to the host
-every step: on a GPU each read drains the device before the next step can launch. Here the
-state lives on the device, allocated once (the static cache, the rows' lengths, the next
-token, an output buffer, the finished flags, the EOS ids), and one function does a whole AR
-step on it: the forward of the next token, the head on that one row each, the argmax, the
-budget and EOS cut, the write into the output buffer, the commit and the next input, in
-place. Compiled whole (`fullgraph=True`), that is one graph; the host replays it `chunk`
-steps at a time and reads one flag (are all rows done?) after each chunk. A finished row keeps
-stepping, masked: it emits and commits nothing.
+The reference decoders (generate.py, exact.py) run the LM head, the pick, the acceptance, the
+EOS/budget cut and the cache update between forwards, in Python, reading the kept tokens back
+to the host every step: on a GPU each read drains the device before the next step can launch.
+Here a batch's state lives on the device (`State`: the static cache, the next forward's real
+tokens, an output buffer, the finished flags, τ, the EOS ids, the budget, the random numbers'
+seeds and step counter), allocated once per shape and reused by every request of that shape,
+and one function does a whole step on it, in place:
 
-`window_step` does the same for the τ window (generate.window_steps): [pending | B masks] 2B
-wide, the τ rule and the EOS/budget cut on the device (`keep_on_device`), τ a tensor (a new τ
-is no new graph). What they must equal: generate.generate_ar and generate.generate, token for
-token (tests/test_fast_loop.py, float64, ragged prompts, EOS in the middle of a chunk, several
-τ); what they must not do: read anything back inside a step (the same test runs a step on the
-meta device, where every read-back raises). Exact mode and sampling on the device are the rest
-of issue 49.
+  ar_step      forward the pending token; the head on that row; the pick; EOS/budget cut;
+               write to the output buffer; commit; the next input
+  window_step  forward [pending | B masks] (2B wide); the τ rule on the device (`keep`, τ a
+               tensor: a new τ is no new graph); commit the pending tokens; the kept ones
+               are the next pending tokens (generate.window_steps)
+  exact_step   forward [c_0, d_1..d_K | G_0 .. G_K] ((1+K)^2 wide); the greedy verification
+               (sampling.greedy_accept); emit; commit c_0, d_1..d_a; the group G_a gives the
+               next drafts (exact.exact_steps at temperature 0)
+
+Compiled whole (`torch.compile(step, fullgraph=True)`), a step is one graph; the host replays
+it `chunk` steps at a time and reads one flag (are all rows done?) after each chunk. A finished
+row keeps stepping, masked: it emits and commits nothing. Sampling (AR and the window) draws
+with counter-based random numbers (fast/sample.py: a hash of the row's seed, the step and the
+position), so a graph replays with no generator state; exact mode on the device is greedy.
+
+What they must equal: generate.generate_ar, generate.generate and exact.generate_exact, token
+for token (greedy; ragged prompts, EOS in the middle of a chunk, several τ and K), and a
+brute-force decode with the sampling rule written out (tests/test_fast_loop.py,
+tests/test_device_sampling.py, float64); what they must not do: read anything back inside a
+step (the same tests run steps on the meta device, where every read-back raises).
 """
+
+import weakref
 
 import torch
 
-from decoding import logits_at, pad_rows
-from fast.cache import FastCache
+from decoding import Generation, logits_at, pad_rows
+from exact import check_exact, step_layout
+from fast.attention import round_up
+from fast.cache import KEY_BLOCK, FastCache
+from fast.sample import candidates
 from model import Qwen2
-from sampling import GREEDY, confidence, confident, pick
+from sampling import GREEDY, confidence, confident, greedy_accept, pick, sample_drafts
+
+EOS_SLOTS = 8  # EOS ids a State holds (-1 padded); more make a wider buffer (a new graph)
+_STATES = weakref.WeakKeyDictionary()  # model -> {shape: State}
 
 
-def keep_on_device(logits, tau, eos, out, n_out, done, max_new):
-    """The τ rule (§5) and the EOS/budget cut of one step, in place on device state: logits (N,
-    B, V) at [the last real token, masks 0 .. B-2] -> c (N, B) the candidates and k (N,) the
-    tokens each row keeps (0 for a finished row), written into out at n_out (out has B spare
-    columns past max_new, so the B writes of a row never share a column). tau: a tensor; AR is
-    B = 1 (c_0 alone) or tau >= 1."""
-    N, B, _ = logits.shape
-    live = ~done
-    c = pick(logits, GREEDY)  # (N, B): the greedy candidates (generate.candidates')
-    passed = confident(confidence(logits[:, 1:], c[:, 1:]), tau)  # (N, B-1): p_j >= τ (generate.accept's)
-    a = torch.where(tau >= 1, 1, 1 + passed.long().cumprod(1).sum(1))  # accepted, (N,); τ >= 1: AR
-    j = torch.arange(B, device=c.device)
-    is_eos = torch.isin(c, eos) & (j < a[:, None])
-    first_eos = torch.where(is_eos, j, B).amin(1)  # (N,): B when no accepted EOS
-    k = torch.minimum(torch.minimum(a, first_eos + 1), max_new - n_out) * live  # kept, (N,)
-    at = n_out[:, None] + j  # (N, B): distinct columns, the spare ones past max_new never read
-    out.scatter_(1, at, torch.where(j < k[:, None], c, out.gather(1, at)))
-    n_out.add_(k)
-    done.logical_or_(live & ((first_eos < k) | (n_out >= max_new)))
-    return c, k
+class State:
+    """A batch's decoding state on the device, allocated once per (batch size, cache slots,
+    step width, B, dtype) and reused by every request of that shape (`start`), so a compiled
+    step sees the same tensors every request (and a CUDA graph the same addresses):
+
+      cache          a static FastCache: k, v (layers, N, kv heads, slots, head dim), lengths (N,)
+      tok, n_tok     the real tokens of the next forward (N, B) and how many are real (N,):
+                     AR's next token, the window's pending tokens, exact mode's [c_0, drafts]
+      out, n_out     the emitted tokens (N, slots + B) and their count per row (N,)
+      done           (N,) bool: an EOS id kept or the budget reached
+      eos, max_new   the EOS ids (-1 padded), the budget (a 0-d tensor: no new graph per budget)
+      tau            () float32: the τ of the window (1.0 elsewhere)
+      seeds, step    (N,) seed + b and () the forwards so far: the sampler's counter
+      forwards       (N,) the forwards run while each row was generating (Generation.forwards)
+    Python settings (a new value is a new graph): sampling, mask_id, threshold; exact mode's
+    position offsets and (T, T) mask (exact.step_layout) as tensors."""
+
+    def __init__(self, model, N, slots, width, B):
+        self.cache = model.new_cache(N, slots - width, width, static=True)  # exactly `slots` slots
+        device = self.cache.lengths.device
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
+        self.tok, self.n_tok = z(N, B), z(N)
+        self.out, self.n_out, self.done = z(N, slots + B), z(N), z(N, dtype=torch.bool)
+        self.eos, self.max_new, self.tau = z(EOS_SLOTS), z(()), z((), dtype=torch.float32)
+        self.seeds, self.step, self.forwards = z(N), z(()), z(N)
+        self.sampling, self.mask_id, self.threshold = GREEDY, 0, 0.0
+        self.offsets = self.mask = None
+        if device.type == "cuda":  # a CUDA graph updates these very tensors in place
+            for t in (self.tok, self.n_tok, self.out, self.n_out, self.done, self.eos, self.max_new,
+                      self.tau, self.seeds, self.step, self.forwards, self.cache.lengths):
+                torch._dynamo.mark_static_address(t)
 
 
-def ar_step(model, tok, k, v, lengths, out, n_out, done, eos, max_new):
-    """One AR step over the static cache (k, v, lengths), every tensor updated in place. tok
-    (N, 1): each row's last kept token, not yet in the cache (committed here for a live row);
-    out, n_out, done, eos: as keep_on_device's."""
-    live = ~done
-    h = Qwen2.hidden(model, tok, None, None, FastCache.over(k, v, lengths))  # writes tok's K/V at lengths
-    lengths.add_(live.long())  # the commit: tok is now in the cache of every live row
-    c, _ = keep_on_device(model.lm_head(h), torch.ones((), device=tok.device), eos, out, n_out, done, max_new)
-    tok.copy_(torch.where(live[:, None], c, tok))
+def start(model, rows, lengths, B, width, max_new_tokens, eos_ids=(), tau=1.0, sampling=GREEDY, mask_id=0):
+    """A request's State (its shape's, reset) and its eager first forward, the prefill: rows
+    (each a prompt, then what the decoder's first forward holds after it) forwarded and the
+    prompts (`lengths`) committed -> the state and the logits (N, B, V) at the last prompt
+    token and the B-1 positions after it. width: the widest step (sizes the cache)."""
+    N, p = len(rows), model.lm_head.weight
+    slots = round_up(max(lengths) + max_new_tokens + width, KEY_BLOCK)  # whole key blocks
+    states = _STATES.setdefault(model, {})
+    key = (N, slots, width, B, p.dtype, p.device)
+    st = states.get(key) or states.setdefault(key, State(model, N, slots, width, B))
+    eos = sorted(eos_ids)
+    if len(eos) > st.eos.numel():
+        st.eos = torch.zeros(len(eos), dtype=torch.long, device=p.device)
+    st.eos.fill_(-1)[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+    st.n_out.zero_(), st.done.zero_(), st.step.zero_(), st.cache.lengths.zero_(), st.forwards.fill_(1)
+    st.max_new.fill_(max_new_tokens), st.tau.fill_(tau)
+    st.seeds.copy_(sampling.seed + torch.arange(N))
+    st.sampling, st.mask_id, st.cache.commits, st.cache.T = sampling, mask_id, 0, None
+    lens = torch.tensor(lengths, device=p.device)
+    h = model.hidden(pad_rows(rows, 0, p.device), cache=st.cache)  # eager: FastQwen2's prefill
+    st.cache.commit(lens)
+    return st, logits_at(model, h, lens - 1, B)
 
 
-def window_step(model, pend, n_pend, k, v, lengths, out, n_out, done, eos, max_new, tau, mask_id):
-    """One step of generate.window_steps on the device: forward [the n_pend[b] pending tokens |
-    B masks] (2B wide, padded with masks) over the static cache, commit the pending tokens, keep
-    by the τ rule, and the kept tokens become the next pending ones; all in place."""
-    N, B = pend.shape
-    j = torch.arange(2 * B, device=pend.device)
-    padded = torch.cat([pend, torch.full_like(pend, mask_id)], 1)  # (N, 2B)
-    tokens = torch.where(j < n_pend[:, None], padded, mask_id)
-    h = Qwen2.hidden(model, tokens, None, None, FastCache.over(k, v, lengths))  # (N, 2B, C)
-    lengths.add_(n_pend)  # the commit: the pending tokens (none for a finished row)
-    c, kept = keep_on_device(logits_at(model, h, (n_pend - 1).clamp(min=0), B), tau, eos, out, n_out, done,
-                             max_new)
-    pend.copy_(c)
-    n_pend.copy_(kept * ~done)
+# ---------------------------------------------------------------- the rules, on the device
+def emit(st, c, a):
+    """Emit the first a[b] candidates c (N, n) of each live row, cut after its first EOS id
+    and at the budget (decoding.Rows.keep's cut), into out at n_out, in place -> the count
+    emitted (N,), 0 for a finished row. out has B spare columns past the budget, so the n
+    writes of a row never share a column."""
+    n, live = c.shape[1], ~st.done
+    j = torch.arange(n, device=c.device)
+    is_eos = torch.isin(c, st.eos) & (j < a[:, None])
+    first_eos = torch.where(is_eos, j, n).amin(1)  # (N,): n when no emitted EOS
+    k = torch.minimum(torch.minimum(a, first_eos + 1), st.max_new - st.n_out) * live
+    at = st.n_out[:, None] + j  # (N, n): distinct columns; those past k keep what they held
+    st.out.scatter_(1, at, torch.where(j < k[:, None], c, st.out.gather(1, at)))
+    st.n_out.add_(k)
+    st.done.logical_or_(live & ((first_eos < k) | (st.n_out >= st.max_new)))
+    return k
 
 
-def prefill(model, rows, lengths, B, max_new_tokens, step, eos_ids, tau):
-    """The eager first forward of a device loop: rows (each a prompt, then what the loop's first
-    window holds), committed up to the prompts' lengths, over a static cache sized for steps of
-    `step` tokens, and the τ rule on its B outputs from the last prompt token -> the state:
-    cache, out, n_out, done, eos, and the kept tokens c (N, B), k (N,)."""
-    N, device = len(rows), model.lm_head.weight.device
-    cache = model.new_cache(N, max(lengths) + max_new_tokens, step, static=True)  # whole key blocks
-    lens = torch.tensor(lengths, device=device)
-    h = model.hidden(pad_rows(rows, 0, device), cache=cache)
-    cache.commit(lens)
-    out = torch.zeros(N, max_new_tokens + B, dtype=torch.long, device=device)
-    n_out = torch.zeros(N, dtype=torch.long, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)
-    eos = torch.tensor(sorted(eos_ids) or [-1], device=device)
-    c, k = keep_on_device(logits_at(model, h, lens - 1, B), torch.tensor(float(tau), device=device), eos,
-                          out, n_out, done, max_new_tokens)
-    if device.type == "cuda":  # a CUDA graph updates these very tensors in place
-        for t in (out, n_out, done, eos, cache.lengths):
-            torch._dynamo.mark_static_address(t)
-    return cache, out, n_out, done, eos, c, k
+def keep(st, logits):
+    """The τ rule (§5) of one step, then `emit`: logits (N, B, V) at [the last real token,
+    masks 0 .. B-2] -> the candidates c (N, B) (fast.sample.candidates) and the count kept
+    (N,): c_0 and the leading run of p_j >= τ (generate.accept); τ >= 1 (or B = 1) keeps c_0."""
+    c = candidates(logits, st.sampling, st.seeds, st.step)
+    passed = confident(confidence(logits[:, 1:], c[:, 1:]), st.tau)  # (N, B-1): p_j >= τ
+    a = torch.where(st.tau >= 1, 1, 1 + passed.long().cumprod(1).sum(1))
+    return c, emit(st, c, a)
 
 
-def run_chunks(done, chunk, step):
-    """Run step() `chunk` times between reads of the one flag, until every row is done."""
-    while not bool(done.all()):  # the one read, every `chunk` steps
+def forward(model, st, tokens, position_ids=None, mask=None):
+    """The step's forward over the state's cache (writes the tokens' K/V at each row's length,
+    commits nothing), counted for the rows still generating -> hidden states (N, T, C)."""
+    st.step.add_(1)
+    st.forwards.add_((~st.done).long())
+    cache = FastCache.over(st.cache.k, st.cache.v, st.cache.lengths)
+    return Qwen2.hidden(model, tokens, position_ids, mask, cache)
+
+
+# ---------------------------------------------------------------- the steps
+def ar_step(model, st):
+    """One AR step: tok (N, 1), each row's last kept token, not yet in the cache, is forwarded
+    and committed (for a live row); the pick after it is emitted and becomes tok."""
+    live = ~st.done
+    h = forward(model, st, st.tok)
+    st.cache.lengths.add_(live.long())  # the commit: tok is now in the cache of every live row
+    c, _ = keep(st, model.lm_head(h))
+    st.tok.copy_(torch.where(live[:, None], c, st.tok))
+
+
+def window_step(model, st):
+    """One step of generate.window_steps: forward [the n_tok[b] pending tokens | B masks] (2B
+    wide, padded with masks), commit the pending tokens, keep by the τ rule; the kept tokens
+    become the next pending ones."""
+    N, B = st.tok.shape
+    j = torch.arange(2 * B, device=st.tok.device)
+    padded = torch.cat([st.tok, torch.full_like(st.tok, st.mask_id)], 1)  # (N, 2B)
+    tokens = torch.where(j < st.n_tok[:, None], padded, st.mask_id)
+    h = forward(model, st, tokens)  # (N, 2B, C)
+    st.cache.lengths.add_(st.n_tok)  # the commit: the pending tokens (none for a finished row)
+    c, kept = keep(st, logits_at(model, h, (st.n_tok - 1).clamp(min=0), B))
+    st.tok.copy_(c)
+    st.n_tok.copy_(kept * ~st.done)
+
+
+def exact_step(model, st):
+    """One greedy exact-mode step (exact.exact_steps): forward [c_0, d_1..d_K | G_0 .. G_K];
+    t = the AR argmaxes at c_0, d_1..d_K; accept the leading run of d_i == t_{i-1} among the
+    row's n_tok real drafts (a of them); emit t_0..t_a (the accepted drafts are t_0..t_{a-1},
+    the bonus is t_a; `emit` cuts at EOS and the budget); commit c_0, d_1..d_a for a row still
+    going; the argmaxes of G_a (the group that saw exactly those) are the next drafts, cut by
+    the threshold as exact.draft cuts them. The reference forwards fewer drafts where a row has
+    fewer or its budget could not emit them; here every step forwards K: a draft past n_tok is
+    seen only by tokens and groups past it, whose outputs are not read."""
+    N, K1 = st.tok.shape
+    K = K1 - 1
+    j = torch.arange(K, device=st.tok.device)
+    tokens = torch.cat([st.tok, torch.full_like(st.tok, st.mask_id).repeat(1, K)], 1)  # (N, (1+K)^2)
+    h = forward(model, st, tokens, st.cache.lengths[:, None] + st.offsets, st.mask)
+    logits = model.lm_head(h)  # (N, (1+K)^2, V): one head call for the verification and every group
+    t = pick(logits[:, :K1], GREEDY)  # (N, 1+K)
+    a, bonus = greedy_accept(t, st.tok[:, 1:], st.n_tok)
+    emit(st, t, a + 1)
+    st.cache.lengths.add_((1 + a) * ~st.done)  # exact.keep_verified: rows still going
+    idx = K1 + a[:, None] * K + j  # (N, K): the group G_a
+    group = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+    d, n_next, _ = sample_drafts(group, GREEDY, None, st.threshold)
+    st.tok.copy_(torch.cat([bonus[:, None], d], 1))
+    st.n_tok.copy_(n_next)
+
+
+# ---------------------------------------------------------------- the host loop
+def run(model, st, step, chunk):
+    """Replay step(model, st) `chunk` times between reads of the one flag, until every row is
+    done -> per row a decoding.Generation: its emitted ids and forwards (one read at the end)."""
+    while not bool(st.done.all()):  # the one read, every `chunk` steps
         for _ in range(chunk):
-            step()
+            step(model, st)
+    n_out, forwards = st.n_out.tolist(), st.forwards.tolist()
+    return [Generation(row[:m].tolist(), f) for row, m, f in zip(st.out, n_out, forwards)]
+
+
+def check_device_sampling(sampling):
+    if sampling.accept_metric != "probability":
+        raise ValueError(f"the device loops compare τ with the probability, got --accept-metric "
+                         f"{sampling.accept_metric}")
 
 
 @torch.no_grad()
-def generate_ar_device(model, prompts, max_new_tokens, eos_ids=(), chunk=8, step=ar_step):
-    """Greedy AR decoding of `prompts` (lists of ids) by `model` (a FastQwen2, bf16 or not) with
-    `step` (ar_step, or it compiled: torch.compile(ar_step, fullgraph=True)) -> per row its ids,
-    as generate.generate_ar's Generation.ids. The host reads one flag every `chunk` steps."""
-    n, lens = max_new_tokens, [len(q) for q in prompts]
-    cache, out, n_out, done, eos, c, _ = prefill(model, prompts, lens, 1, n, 1, eos_ids, 1)
-    tok = c.clone()  # (N, 1)
-    if tok.is_cuda:
-        torch._dynamo.mark_static_address(tok)
-    k, v, lengths = cache.k, cache.v, cache.lengths
-    run_chunks(done, chunk, lambda: step(model, tok, k, v, lengths, out, n_out, done, eos, n))
-    return [row[:m].tolist() for row, m in zip(out, n_out.tolist())]
+def generate_ar_device(model, prompts, max_new_tokens, eos_ids=(), chunk=8, step=ar_step, sampling=GREEDY):
+    """AR decoding of `prompts` (lists of ids) by `model` (a FastQwen2, bf16 or not) with
+    `step` (ar_step, or it compiled: torch.compile(ar_step, fullgraph=True)) -> per row its
+    Generation: greedy, generate.generate_ar's; sampled, drawn with fast.sample's numbers."""
+    check_device_sampling(sampling)
+    lengths = [len(q) for q in prompts]
+    st, logits = start(model, prompts, lengths, 1, 1, max_new_tokens, eos_ids, 1.0, sampling)
+    c, _ = keep(st, logits)
+    st.tok.copy_(c)
+    return run(model, st, step, chunk)
 
 
 @torch.no_grad()
 def generate_window_device(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), chunk=8,
-                           step=window_step):
-    """generate.generate(..., cache="window") greedy, with every step on the device -> per row
-    its ids. tau: a float, passed as a tensor (a new τ is no new graph)."""
-    B, n = block_size, max_new_tokens
+                           step=window_step, sampling=GREEDY):
+    """generate.generate(..., cache="window") with every step on the device -> per row its Generation
+    (greedy: generate.generate's). tau: a float, held as a tensor (a new τ is no new graph)."""
+    check_device_sampling(sampling)
+    B = block_size
     rows = [q + [mask_id] * B for q in prompts]  # the prefill: [prompt | B masks], as window_steps'
-    cache, out, n_out, done, eos, pend, kept = prefill(model, rows, list(map(len, prompts)), B, n, 2 * B,
-                                                       eos_ids, tau)
-    n_pend = kept * ~done
-    tau_t = torch.tensor(float(tau), device=pend.device)
-    if pend.is_cuda:
-        for t in (pend, n_pend, tau_t):
-            torch._dynamo.mark_static_address(t)
-    k, v, lengths = cache.k, cache.v, cache.lengths
-    run_chunks(done, chunk, lambda: step(model, pend, n_pend, k, v, lengths, out, n_out, done, eos, n, tau_t,
-                                         mask_id))
-    return [row[:m].tolist() for row, m in zip(out, n_out.tolist())]
+    st, logits = start(model, rows, list(map(len, prompts)), B, 2 * B, max_new_tokens, eos_ids, tau, sampling,
+                       mask_id)
+    c, kept = keep(st, logits)
+    st.tok.copy_(c)
+    st.n_tok.copy_(kept * ~st.done)
+    return run(model, st, step, chunk)
+
+
+@torch.no_grad()
+def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), chunk=8,
+                          step=exact_step, draft_threshold=0.0, block_size=None):
+    """Greedy exact mode (exact.generate_exact at temperature 0) with every step on the device
+    -> per row its Generation (exact.generate_exact's: the greedy AR tokens). drafts: K
+    (<= block_size when given)."""
+    K = drafts
+    check_exact(K, block_size or K, draft_threshold)
+    rows = [q + [mask_id] * K for q in prompts]  # the prefill: [prompt | G_0], as exact_steps'
+    st, logits = start(model, rows, list(map(len, prompts)), 1 + K, (1 + K) ** 2, max_new_tokens, eos_ids,
+                       1.0, GREEDY, mask_id)
+    st.threshold = draft_threshold
+    st.offsets, st.mask = step_layout(K, K, st.tok.device)
+    c, _ = keep(st, logits)  # τ = 1: c_0 alone is emitted; c_1.. are G_0's argmaxes
+    d, n, _ = sample_drafts(logits[:, 1:], GREEDY, None, draft_threshold)
+    st.tok.copy_(torch.cat([c[:, :1], d], 1))
+    st.n_tok.copy_(n)
+    return run(model, st, step, chunk)

@@ -1,10 +1,11 @@
-"""Greedy AR and the τ window with the whole step on the device (fast/loop.py) against the
-engine's compiled step loops (generate.generate_ar and generate.generate on
-fast.make_fast(model, compile=True)). Not a test.
+"""Greedy AR, the τ window and exact mode with the whole step on the device (fast/loop.py)
+against the engine's compiled step loops (generate.generate_ar, generate.generate and
+exact.generate_exact on fast.make_fast(model, compile=True)). Not a test.
 
 Both compiled (inductor on the CPU, CUDA graphs' mode on a GPU is bench_gpu's job), the chat
 questions, prefill included, alternated runs after a warm-up that compiles both; prints tokens/s
-(the median) and whether the tokens are the same.
+(the median), ms per forward (the run's time over its forwards: the most any row ran) and
+whether the tokens are the same; then each decoder's device-loop forward against AR's.
 
   python -m scripts.bench_loop --ckpt out/smollm2 --threads 2
 """
@@ -17,7 +18,15 @@ import torch
 
 import fast
 from checkpoint import load_checkpoint
-from fast.loop import ar_step, generate_ar_device, generate_window_device, window_step
+from exact import generate_exact
+from fast.loop import (
+    ar_step,
+    exact_step,
+    generate_ar_device,
+    generate_exact_device,
+    generate_window_device,
+    window_step,
+)
 from generate import generate, generate_ar
 from scripts.common import QUESTIONS, ints, machine
 
@@ -38,23 +47,22 @@ def main():
     ck = load_checkpoint(args.ckpt, "cpu", getattr(torch, args.dtype))
     model = fast.make_fast(ck.model, compile=True)
     opts = dict(fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
-    steps = {"AR": torch.compile(ar_step, **opts), "window": torch.compile(window_step, **opts)}
-    mask, tau = ck.mask_id, args.tau
-    def window(p):
-        return [g.ids for g in generate(model, p, block_size=4, tau=tau, max_new_tokens=n, mask_id=mask)]
-
-    def window_device(p):
-        return generate_window_device(model, p, 4, tau, n, mask, (), 8, steps["window"])
-
-    loops = {  # name -> (the compiled step loop, the device loop), each prompts -> ids per row
-        "AR": (lambda p: [g.ids for g in generate_ar(model, p, n)],
-               lambda p: generate_ar_device(model, p, n, (), 8, steps["AR"])),
-        f"tau={tau} window": (window, window_device),
+    steps = {f.__name__: torch.compile(f, **opts) for f in (ar_step, window_step, exact_step)}
+    mask, tau, K, n = ck.mask_id, args.tau, 2, args.new_tokens
+    kw = dict(block_size=4, max_new_tokens=n, mask_id=mask)
+    loops = {  # name -> (the compiled step loop, the device loop), each prompts -> Generations
+        "AR": (lambda p: generate_ar(model, p, n),
+               lambda p: generate_ar_device(model, p, n, (), 8, steps["ar_step"])),
+        f"tau={tau} window": (lambda p: generate(model, p, tau=tau, **kw),
+                              lambda p: generate_window_device(model, p, 4, tau, n, mask, (), 8,
+                                                               steps["window_step"])),
+        f"exact K={K}": (lambda p: generate_exact(model, p, drafts=K, **kw),
+                         lambda p: generate_exact_device(model, p, K, n, mask, (), 8, steps["exact_step"])),
     }
-    n = args.new_tokens
     enc = lambda q: ck.tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
     for batch in args.batch_sizes:
         prompts = [enc(q) for q in QUESTIONS[:batch]]
+        per_forward = {}
         for name, (ref, dev) in loops.items():
             ref(prompts), dev(prompts)  # the warm-up compiles both
             times = {"compiled step loop": [], "device loop": []}
@@ -65,10 +73,16 @@ def main():
                 t = time.perf_counter()
                 b = dev(prompts)
                 times["device loop"].append(time.perf_counter() - t)
-            tokens = sum(map(len, a))
+            tokens = sum(len(g.ids) for g in a)
+            per_row = tokens / sum(g.forwards for g in a)
             rates = {k: tokens / statistics.median(v) for k, v in times.items()}
+            per_forward[name] = statistics.median(times["device loop"]) / max(g.forwards for g in b) * 1e3
             print(f"batch {batch}, {name}: " + ", ".join(f"{k} {r:.1f} tokens/s" for k, r in rates.items())
-                  + f" ({rates['device loop'] / rates['compiled step loop']:.2f}x); same tokens: {a == b}")
+                  + f" ({rates['device loop'] / rates['compiled step loop']:.2f}x); {per_row:.2f}"
+                  f" tokens/forward/row; device loop {per_forward[name]:.1f} ms/forward; same tokens: "
+                  f"{[g.ids for g in a] == [g.ids for g in b]}")
+        print(f"batch {batch}, device loop ms/forward against AR's: "
+              + ", ".join(f"{k} {v / per_forward['AR']:.2f}x" for k, v in per_forward.items() if k != "AR"))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""scripts/bench_gpu.py runs every section it has on a machine without a GPU (`--dry-run`: the
+"""scripts/bench_gpu/ runs every section it has on a machine without a GPU (`--dry-run`: the
 CPU, a tiny model), so the one GPU run a session gets is not spent on the script's own bugs.
 
 The numbers of a dry run measure nothing; what is checked is that each section ran and
 wrote its page, and the checks the script makes on the GPU: exact mode = AR and AR alone = AR
-in a batch (eager and compiled), and no graph built after a decoder's warm-up."""
+in a batch (eager, compiled, the device loops), no graph built after a decoder's warm-up, and
+that every row has its steady state and every observed row its kernel count."""
 
 import json
 
@@ -35,9 +36,11 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
             assert rows[name + " compiled", batch]["graphs_at_warmup"] >= 1
         for impl in ("dynamic", "static"):
             assert (f"HF generate ({impl} cache)", batch) in rows
-    # exact mode = AR for every exact decoder at every batch, eager and compiled
+    # exact mode = AR for every exact decoder at every batch, eager, compiled and on the device
     checks = {(c["check"], c["batch"]): c for c in res["exact"]}
-    assert len(checks) == 2 * 3 * 2
+    assert len(checks) == 2 * 3 * 2 + 2 * 2 + 1  # and at the tried row tile (the CPU's 1), batch 1
+    assert ("exact K=4 device loop compiled = AR device loop compiled", 2) in checks
+    assert ("exact K=2 device loop compiled, tile 1 = AR device loop compiled, tile 1", 1) in checks
     for (_, batch), c in checks.items():
         assert c["rows"] == batch and c["rows_equal"] == batch, c
     alone = {(c["check"], c["batch"]): c for c in res["alone"]}
@@ -45,8 +48,13 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
                           ("AR compiled alone = AR compiled in the batch", 2)}
     assert all(c["rows_equal"] == c["rows"] == 2 for c in alone.values())
 
-    loop = {r["batch"]: r for r in res["decode"]["rows"] if r["decoder"] == "AR device loop compiled"}
-    assert set(loop) == {1, 2} and all(r["recompiles_after_warmup"] == 0 for r in loop.values())
+    for name in ("AR", "tau=0.95 window", "exact K=2", "exact K=4"):
+        loop = {r["batch"]: r for r in res["decode"]["rows"]
+                if r["decoder"] == name + " device loop compiled"}
+        assert set(loop) == {1, 2} and all(r["recompiles_after_warmup"] == 0 for r in loop.values())
+        assert all(r["kernels_per_forward"] > 0 and r["syncs_per_token"] is None for r in loop.values())
+    assert all(r["steady_ms_per_forward"] > 0 for r in res["decode"]["rows"])
+    assert "AR device loop" in page and "x HF's static cache" in page  # the targets' lines
     assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [  # the static step first
         ("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False), ("AR", True),
         ("MARS", True)]

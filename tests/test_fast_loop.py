@@ -1,9 +1,11 @@
-"""Proofs for fast/loop.py, greedy AR and the τ window with the whole step on the device (issue
-49's first pieces): their tokens are generate.generate_ar's and generate.generate's (float64, a
-ragged batch, EOS ids that end rows in the middle of a chunk, chunks of 1, 3 and 8 steps, τ = 1,
-0.5, 0.2, drafts accepted), eager and compiled whole (fullgraph=True, dynamo's aot_eager backend:
-one graph for two requests of one batch size, and for two τ); and a step reads nothing back from
-the device (it runs on the meta device, where every read-back raises)."""
+"""Proofs for fast/loop.py, greedy AR, the τ window and exact mode with the whole step on the
+device (issue 49): their tokens are generate.generate_ar's, generate.generate's and
+exact.generate_exact's (float64, a ragged batch, EOS ids that end rows in the middle of a chunk,
+chunks of 1, 3 and 8 steps, τ = 1, 0.5, 0.2 with drafts accepted, K = 1, 2, 4, budgets that cut
+drafts), eager and compiled whole (fullgraph=True, dynamo's aot_eager backend: one graph for two
+requests of one batch size with other prompts, budgets, EOS ids and τ); a request reuses its
+shape's State; and a step reads nothing back from the device (it runs on the meta device, where
+every read-back raises). Sampling on the device: tests/test_device_sampling.py."""
 
 import copy
 
@@ -13,8 +15,17 @@ from conftest import graphs_built
 from test_fast_paths import tiny_model
 
 import fast
-from fast.cache import FastCache
-from fast.loop import ar_step, generate_ar_device, generate_window_device, window_step
+from exact import generate_exact, step_layout
+from fast.loop import (
+    State,
+    ar_step,
+    exact_step,
+    generate_ar_device,
+    generate_exact_device,
+    generate_window_device,
+    start,
+    window_step,
+)
 from generate import generate, generate_ar
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
@@ -34,9 +45,9 @@ def pair():
 def test_the_device_loop_gives_the_reference_tokens(pair, chunk):
     ref, eos, engine = pair
     for eos_ids in ((), eos):
-        want = [g.ids for g in generate_ar(ref, PROMPTS, 20, eos_ids=eos_ids)]
+        want = generate_ar(ref, PROMPTS, 20, eos_ids=eos_ids)
         assert generate_ar_device(engine, PROMPTS, 20, eos_ids, chunk) == want
-    lengths = [len(r) for r in generate_ar_device(engine, PROMPTS, 20, eos, chunk)]
+    lengths = [len(r.ids) for r in generate_ar_device(engine, PROMPTS, 20, eos, chunk)]
     assert min(lengths) < 20 and len(set(lengths)) == 3  # EOS ended rows at different steps, mid-chunk
 
 
@@ -44,23 +55,35 @@ def test_the_step_compiles_whole_once_for_two_requests(pair, fresh_dynamo):
     ref, eos, engine = pair
     step = torch.compile(ar_step, fullgraph=True, backend="aot_eager", dynamic=False)
     before = graphs_built()
-    for prompts in (PROMPTS, [[7, 7], [3], [9, 9, 9, 9]]):
-        want = [g.ids for g in generate_ar(ref, prompts, 16, eos_ids=eos)]
-        assert generate_ar_device(engine, prompts, 16, eos, 4, step) == want
-    assert graphs_built() - before == 1
+    for prompts, n, eos_ids in ((PROMPTS, 16, eos), ([[7, 7], [3], [9, 9, 9, 9]], 11, {5})):
+        want = generate_ar(ref, prompts, n, eos_ids=eos_ids)
+        assert generate_ar_device(engine, prompts, n, eos_ids, 4, step) == want
+    assert graphs_built() - before == 1  # other prompts, budget and EOS ids: the same graph
+
+
+def test_a_request_reuses_its_shapes_state(pair):
+    """The second request of a shape runs in the first's tensors (its cache holds the first
+    request's keys past every row's length: masked, the tokens are still the reference's)."""
+    ref, eos, engine = pair
+    long = [[1] * 30, [2] * 25, [3] * 28]
+    first, _ = start(engine, long, [30, 25, 28], 1, 1, 20)
+    generate_ar_device(engine, long, 20)
+    second, _ = start(engine, PROMPTS, [3, 6, 1], 1, 1, 20)
+    assert second is first and second.cache.k is first.cache.k
+    assert generate_ar_device(engine, PROMPTS, 20) == generate_ar(ref, PROMPTS, 20)
+
+
+def meta_state(B, width):
+    model = fast.make_fast(tiny_model(3, 2).double().eval()).to("meta")
+    return model, State(model, 3, 512, width, B)
 
 
 def test_a_step_reads_nothing_back_from_the_device():
     """ar_step on the meta device: an .item(), .tolist(), bool(), float() or int() of a tensor
     inside it raises (the reference's cache, whose begin reads the lengths back, does)."""
-    model = fast.make_fast(tiny_model(3, 2).double().eval()).to("meta")
-    cfg, N = model.config, 3
-    cache = FastCache(cfg.num_hidden_layers, N, cfg.num_key_value_heads, cfg.head_dim, 40, 1,
-                      torch.float64, "meta", static=True)
-    z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device="meta")
-    ar_step(model, z(N, 1), cache.k, cache.v, cache.lengths, z(N, 8), z(N), z(N, dtype=torch.bool), z(2), 8)
-    reads_back = FastCache(cfg.num_hidden_layers, N, cfg.num_key_value_heads, cfg.head_dim, 40, 1,
-                           torch.float64, "meta")  # not static: its begin reads the lengths back
+    model, st = meta_state(1, 1)
+    ar_step(model, st)
+    reads_back = model.new_cache(3, 40, 1, static=False)  # not static: its begin reads the lengths back
     with pytest.raises((NotImplementedError, RuntimeError)):
         reads_back.begin(1)
 
@@ -74,8 +97,8 @@ def test_the_device_window_gives_the_reference_tokens(pair, tau):
     free = generate(ref, PROMPTS, block_size=4, tau=tau, max_new_tokens=20, mask_id=MASK)
     eos = {free[0].ids[3], free[1].ids[7]}
     for eos_ids, chunk in (((), 8), (eos, 3), (eos, 1)):
-        want = [g.ids for g in generate(ref, PROMPTS, block_size=4, tau=tau, max_new_tokens=20, mask_id=MASK,
-                                        eos_ids=eos_ids)]
+        want = generate(ref, PROMPTS, block_size=4, tau=tau, max_new_tokens=20, mask_id=MASK,
+                                        eos_ids=eos_ids)
         assert generate_window_device(engine, PROMPTS, 4, tau, 20, MASK, eos_ids, chunk) == want
     if tau == 0.2:  # drafts were accepted: more than one token per forward
         assert sum(len(g.ids) for g in free) > sum(g.forwards for g in free)
@@ -85,18 +108,57 @@ def test_the_window_step_compiles_whole_once_for_two_requests_and_two_taus(pair,
     ref, eos, engine = pair
     step = torch.compile(window_step, fullgraph=True, backend="aot_eager", dynamic=False)
     before = graphs_built()
-    for prompts, tau in ((PROMPTS, 0.5), ([[7, 7], [3], [9, 9, 9, 9]], 0.2)):
-        want = [g.ids for g in generate(ref, prompts, block_size=4, tau=tau, max_new_tokens=16, mask_id=MASK,
-                                        eos_ids=eos)]
-        assert generate_window_device(engine, prompts, 4, tau, 16, MASK, eos, 4, step) == want
+    for prompts, tau, n in ((PROMPTS, 0.5, 16), ([[7, 7], [3], [9, 9, 9, 9]], 0.2, 13)):
+        want = generate(ref, prompts, block_size=4, tau=tau, max_new_tokens=n, mask_id=MASK,
+                                        eos_ids=eos)
+        assert generate_window_device(engine, prompts, 4, tau, n, MASK, eos, 4, step) == want
     assert graphs_built() - before == 1
 
 
 def test_a_window_step_reads_nothing_back_from_the_device():
-    model = fast.make_fast(tiny_model(3, 2).double().eval()).to("meta")
-    cfg, N, B = model.config, 3, 4
-    cache = FastCache(cfg.num_hidden_layers, N, cfg.num_key_value_heads, cfg.head_dim, 40, 2 * B,
-                      torch.float64, "meta", static=True)
-    z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device="meta")
-    window_step(model, z(N, B), z(N), cache.k, cache.v, cache.lengths, z(N, 8 + B), z(N),
-                z(N, dtype=torch.bool), z(2), 8, z((), dtype=torch.float32), MASK)
+    model, st = meta_state(4, 8)
+    st.mask_id = MASK
+    window_step(model, st)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_device_exact_mode_gives_the_reference_tokens(pair, K):
+    """Greedy exact mode on the device = exact.generate_exact (which is greedy AR), with budgets
+    that cut a row's drafts (20 and 7 new tokens) and a draft threshold."""
+    ref, eos, engine = pair
+    for n, eos_ids, chunk, threshold in (
+            (20, (), 8, 0.0), (20, eos, 3, 0.0), (7, eos, 1, 0.0), (20, eos, 2, 0.3)):
+        want = generate_exact(ref, PROMPTS, block_size=4, drafts=K, max_new_tokens=n,
+                                              mask_id=MASK, eos_ids=eos_ids, draft_threshold=threshold)
+        got = generate_exact_device(engine, PROMPTS, K, n, MASK, eos_ids, chunk, draft_threshold=threshold,
+                                    block_size=4)
+        assert got == want, (n, eos_ids, chunk, threshold)
+
+
+def test_device_exact_mode_accepts_drafts():
+    """A model whose mask predictions are right (its drafts are accepted), so the acceptance and
+    the group G_a are exercised past a = 0: the tokens are still the reference's, in fewer steps."""
+    ref = tiny_model(5, 2).double().eval()
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2, 3], [4, 4, 4, 4]]
+    counted = generate_exact(ref, prompts, block_size=4, drafts=2, max_new_tokens=24, mask_id=MASK)
+    assert all(g.forwards < len(g.ids) for g in counted)  # drafts were accepted in both rows
+    engine = fast.make_fast(copy.deepcopy(ref))
+    assert generate_exact_device(engine, prompts, 2, 24, MASK, (), 1) == counted
+
+
+def test_the_exact_step_compiles_whole_once_for_two_requests(pair, fresh_dynamo):
+    ref, eos, engine = pair
+    step = torch.compile(exact_step, fullgraph=True, backend="aot_eager", dynamic=False)
+    before = graphs_built()
+    for prompts, n in ((PROMPTS, 16), ([[7, 7], [3], [9, 9, 9, 9]], 9)):
+        want = generate_exact(ref, prompts, block_size=4, drafts=2, max_new_tokens=n, mask_id=MASK,
+                                              eos_ids=eos)
+        assert generate_exact_device(engine, prompts, 2, n, MASK, eos, 4, step) == want
+    assert graphs_built() - before == 1
+
+
+def test_an_exact_step_reads_nothing_back_from_the_device():
+    model, st = meta_state(3, 9)
+    st.mask_id, st.threshold = MASK, 0.3
+    st.offsets, st.mask = step_layout(2, 2, "meta")
+    exact_step(model, st)

@@ -112,3 +112,74 @@ def test_train_py_compile_true_runs_both_stages_with_inductor(data_dir, tmp_path
            for k in ("loss", "l_mask", "l_ar", "val_loss") if b.get(k) is not None]
     print(f"compiled vs eager losses: {max(rel):.2e} relative at most")
     assert len(rel) >= 12 and max(rel) <= COMPILED_TRAIN_REL
+
+
+READ_BACKS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero", "numpy"}
+
+
+class ReadBacks(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host (on a GPU each waits for the
+    device) while `counting`, per train_step call; the host's own batch making is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_step, self.counting = [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.counting and getattr(func, "__name__", "") in READ_BACKS:
+            self.per_step[-1].append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def reads_per_step(monkeypatch, data_dir, out, compile):
+    """train.py in this process, 2 + 2 steps of 2 micro-batches, torch.compile made the identity
+    (the static step's ops run eagerly, where a read-back is a call the mode sees) -> the
+    read-backs of each optimizer step."""
+    import train
+
+    mode = ReadBacks()
+
+    def counted(f):
+        def inside_step(*a, **k):
+            mode.per_step.append([])
+            mode.counting = True
+            try:
+                return f(*a, **k)
+            finally:
+                mode.counting = False
+        return inside_step
+
+    def host(f):  # the batch made on the host, before its copy to the device
+        def on_host(*a, **k):
+            was, mode.counting = mode.counting, False
+            try:
+                return f(*a, **k)
+            finally:
+                mode.counting = was
+        return on_host
+
+    monkeypatch.setattr(torch, "compile", lambda f=None, **kw: f)
+    monkeypatch.setattr(train, "train_step", counted(train.train_step))
+    for name in ("step_batch", "make_teacher", "row_t_weights", "batch_rows"):
+        monkeypatch.setattr(train, name, host(getattr(train, name)))
+    from train_run import args
+
+    with mode:
+        train.main(args(data_dir, out, "--ar_steps=2", "--mars_steps=2", "--n_layer=1",
+                        f"--compile={compile}"))
+    return mode.per_step
+
+
+def test_a_static_training_step_reads_back_once(monkeypatch, data_dir, tmp_path):
+    """With the static step (compile=true) an optimizer step of two micro-batches reads the device
+    once: the logged losses, tokens and gradient norm, together."""
+    static = reads_per_step(monkeypatch, data_dir, tmp_path, "true")
+    assert len(static) == 4 and all(r == ["tolist"] for r in static), static
+
+
+def test_the_count_sees_the_reference_steps_read_backs(monkeypatch, data_dir, tmp_path):
+    """The reference step reads back inside its loss (mars.py's nonzero, and int in the MARS
+    stage): the count tells the two steps apart."""
+    reference = reads_per_step(monkeypatch, data_dir, tmp_path, "false")
+    assert len(reference) == 4 and all(r.count("nonzero") >= 2 for r in reference), reference
+    assert all("__int__" in r for r in reference[2:]), reference

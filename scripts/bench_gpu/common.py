@@ -1,0 +1,113 @@
+"""What every section of scripts.bench_gpu shares: the run's settings (the GPU's, or a dry run's
+on the CPU), the card's figures, the random 0.5B model and its engine, prompts, timing."""
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import fast
+from fast.step import compile_step
+from model import Qwen2, Qwen2Config, init_weights
+
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM), the vendors' figures
+MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything a dry run changes, in one place; main() sets RUN."""
+
+    device: str
+    model: str  # the decode section's model, in words
+    shape: dict  # Qwen2Config fields over its defaults (Qwen2.5-0.5B's shape)
+    batch_sizes: list  # defaults of --batch-sizes, --new-tokens, --out
+    new_tokens: int
+    out: str
+    row_tokens: int  # the training step's rows
+    timed_steps: int  # the training step: the fastest of these, after a warm-up
+    main_flags: list  # train.py's flags beyond --device and --out_dir
+    toy_tokens: int | None  # the toy's replies end at EOS or here (None: --new-tokens)
+
+
+GPU_RUN = Run(device="cuda", model="random Qwen2.5-0.5B shape", shape={}, batch_sizes=[1, 4, 16],
+              new_tokens=64, out="results/GPU", row_tokens=512, timed_steps=3, main_flags=[], toy_tokens=96)
+DRY_RUN = Run(device="cpu", model="tiny random model (dry run)",
+              shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2),
+              batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=64, timed_steps=1,
+              main_flags=["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"],
+              toy_tokens=None)  # an untrained toy reaches no EOS: --new-tokens
+RUN = GPU_RUN
+
+
+
+def use(run):
+    """Set the run every section reads (main: GPU_RUN, or DRY_RUN with --dry-run)."""
+    global RUN
+    RUN = run
+
+
+def bandwidth():
+    if RUN.device == "cpu":
+        return None, "the CPU (dry run)"
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None), name
+
+
+def random_05b(seed=0):
+    """A random model of RUN's shape in bf16 on RUN's device, the reference (decode_section makes
+    it the engine)."""
+    return init_weights(Qwen2(Qwen2Config(**RUN.shape)), seed=seed).to(RUN.device, torch.bfloat16).eval()
+
+
+def engine(model):
+    """The engine over `model`, eager (fast.make_fast), and its compiled decoding step, set on
+    the model per decoder by run_ours: a decoder's cache is static iff `model.compiled` is set
+    when the decoder makes it -> (model, step)."""
+    step = compile_step(fast.make_fast(model)).compiled
+    model.compiled = None
+    return model, step
+
+
+def sync():
+    if RUN.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 150000, (int(L),), generator=g).tolist()
+        for L in torch.randint(32, 49, (n,), generator=g)
+    ]
+
+
+def timed(fn):
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def graph_count():
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def empty_cache():
+    if RUN.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def peak_flops():
+    """The GPU's dense bf16 peak (FLOP/s) by its name, or None (a CPU, an unknown card)."""
+    if RUN.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+

@@ -1,0 +1,85 @@
+"""The train section: one optimizer step at the 0.5B shape (the reference losses of mars.py and
+fast/train.py's static step, eager and compiled), its model FLOPs, MFU and peak memory against
+util/memory.py's estimate for configs/qwen2.5-0.5b-24gb.json."""
+
+import torch
+
+from model import Qwen2, Qwen2Config, init_weights
+from scripts.bench_gpu import common
+from scripts.bench_gpu.common import MASK, empty_cache, peak_flops, timed
+
+
+def train_section(out, budget):
+    from settings import parse_settings
+    from util.memory import estimate_memory
+
+    S = parse_settings(["--config", "configs/qwen2.5-0.5b-24gb.json"])
+    cfg = Qwen2Config(**common.RUN.shape)
+    res = dict(
+        config="configs/qwen2.5-0.5b-24gb.json",
+        shape=common.RUN.model,
+        micro_batch=S.micro_batch_size,
+        row_tokens=common.RUN.row_tokens,
+        estimate_GiB=estimate_memory(Qwen2Config(), S) / 2**30,
+        rows=[],
+    )
+    # the static step compiled (fast/train.py, what train.py --compile=true runs) first: the
+    # compiled rows are the ones that did not fit the budget before
+    for kind, compiled in (("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False),
+                           ("AR", True), ("MARS", True)):
+        if budget.left() > (150 if compiled else 45):
+            res["rows"].append(train_one(cfg, S, kind, compiled))
+            empty_cache()
+    out["train"] = res
+
+
+def train_one(cfg, S, kind, compiled):
+    """Warm-up step, then the fastest of common.RUN.timed_steps steps, their peak memory (on CUDA), the
+    step's model FLOPs (util/flops.py: the reference's work, whichever step runs) and MFU. kind:
+    AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py)."""
+    from fast.train import ar_loss_static, mars_loss_static, static_batch
+    from mars import IGNORE, ar_loss, mars_loss, noisy_window
+    from util.flops import ar_step_flops, mars_step_flops
+
+    model = init_weights(Qwen2(cfg), seed=0).to(common.RUN.device)
+    model.gradient_checkpointing = True
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    g = torch.Generator().manual_seed(0)
+    T = common.RUN.row_tokens
+    ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(common.RUN.device)
+    labels = ids.clone()
+    labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
+    N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
+    flops = ar_step_flops(cfg, N, T, targets) if kind.startswith("AR") else \
+        mars_step_flops(cfg, N, T, W, targets)
+    x, y, window = static_batch(ids.cpu(), labels.cpu(), 0, 4, 128)
+    device = common.RUN.device
+    x, y, window = x.to(device), y.to(device), (window[0].to(device), window[1])
+
+    def loss_of(ids, labels):
+        if kind == "AR static":
+            return ar_loss_static(model, x, y)
+        if kind == "MARS static":
+            return mars_loss_static(model, x, y, window, MASK, 4)[0]
+        return ar_loss(model, ids, labels) if kind == "AR" else mars_loss(model, ids, labels, MASK, 4,
+                                                                         trim_noisy=True)[0]
+
+    loss_fn = torch.compile(loss_of, fullgraph=kind.endswith("static")) if compiled else loss_of
+
+    def one_step():
+        with torch.autocast(common.RUN.device, dtype=torch.bfloat16):
+            loss = loss_fn(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step()  # warm-up (compiles)
+    cuda = common.RUN.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed(one_step)[0] for _ in range(common.RUN.timed_steps)]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    peak_fl = peak_flops()
+    return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
+                mfu=None if peak_fl is None else flops / min(times) / peak_fl)
