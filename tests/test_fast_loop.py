@@ -162,3 +162,42 @@ def test_an_exact_step_reads_nothing_back_from_the_device():
     st.mask_id, st.threshold = MASK, 0.3
     st.offsets, st.mask = step_layout(2, 2, "meta")
     exact_step(model, st)
+
+
+def device_decodes(model, prompts, max_new=16, Ks=(1, 2, 4)):
+    """The device loops' greedy replies that must all be AR's: AR on the batch and alone, exact
+    mode (K in Ks) on the batch and alone -> {name: replies}, tokens/forward of exact mode."""
+    from test_bf16 import MASK as M
+
+    out = {"AR batch": [g.ids for g in generate_ar_device(model, prompts, max_new)],
+           "AR alone": [generate_ar_device(model, [p], max_new)[0].ids for p in prompts]}
+    tokens = forwards = 0
+    for K in Ks:
+        batch = generate_exact_device(model, prompts, K, max_new, M)
+        out[f"exact K={K} batch"] = [g.ids for g in batch]
+        out[f"exact K={K} alone"] = [generate_exact_device(model, [p], K, max_new, M)[0].ids for p in prompts]
+        tokens, forwards = tokens + sum(len(g.ids) for g in batch), forwards + sum(g.forwards for g in batch)
+    return out, tokens / forwards
+
+
+@pytest.mark.parametrize("tile", [1, 4, 16])
+def test_device_exact_mode_is_ar_whatever_the_kernels_do_at_each_shape(monkeypatch, tile):
+    """Issue 49's batch invariance, for the device loops and at any row tile (the knob bench_gpu
+    turns to find the cheapest on a GPU: fast.linear.set_row_tile): with tests/test_bf16.py's
+    stand-in kernels, which compute another function at every shape of call, exact mode on the
+    device (K = 1, 2, 4, alone and in a batch) is AR on the device, and AR alone is AR in the batch;
+    every matmul is called at the tile's row count. With the tiles taken away the same check fails."""
+    from test_bf16 import SMALL, ShapeDependentKernels, prompts_of, tiles_removed_from_matmuls, tiny_bf16
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(fast.linear, "_cpu_row_tile", [fast.linear.row_tile(cpu)])  # restored after
+    fast.linear.set_row_tile(cpu, tile)
+    kernels = ShapeDependentKernels(monkeypatch)
+    model, prompts = tiny_bf16(2, width=SMALL, std=0.2), prompts_of(2, n=3)
+    out, tpf = device_decodes(model, prompts)
+    assert all(replies == out["AR batch"] for replies in out.values()), out
+    assert tpf > 1.05  # drafts were accepted
+    assert kernels.called("matmul") == {(tile, None)}
+    tiles_removed_from_matmuls(monkeypatch)
+    broken, _ = device_decodes(model, prompts)
+    assert any(replies != broken["AR batch"] for replies in broken.values())
