@@ -75,6 +75,8 @@ class Settings:
     #                     float64 = weights, optimizer and reduce in fp64 too (for proofs; slow)
     compile: bool = False  # torch.compile: the static step of fast/train.py, compiled whole
     bucket: int = 16  # compile=true: rows and the noisy window padded to this many tokens x a power of 2
+    flex_attention: bool = False  # compile=true on CUDA: the MARS step's attention by FlexAttention
+    #                               (fast/flex.py; no backward on the CPU; not yet measured on a GPU)
     gradient_checkpointing: bool = False
     fsdp: bool = False  # under torchrun: FSDP2 fully_shard instead of DDP (7B)
     gpu_mem_gb: float = 0.0  # > 0: say whether estimate_memory fits this much
@@ -84,7 +86,7 @@ class Settings:
 RESUME_FREE = {"data_dir", "out_dir", "init_from", "tokenizer", "log_interval", "eval_interval", "eval_rows",
                "ckpt_interval", "resume", "eval_at_end", "device", "compile", "gradient_checkpointing",
                "micro_batch_size", "gpu_mem_gb", "two_stream", "trim_noisy",
-               "bucket"}
+               "bucket", "flex_attention"}
 
 
 def parse_settings(argv):
@@ -132,6 +134,8 @@ def parse_settings(argv):
         raise SystemExit(f"ar_target must be 'tokens' or 'teacher', got {s.ar_target!r}")
     if s.freeze_vocab and s.fsdp:
         raise SystemExit("freeze_vocab=true is not implemented with fsdp=true (sharded gradients)")
+    if s.flex_attention and not s.compile:
+        raise SystemExit("flex_attention=true needs compile=true (it is the static step's attention)")
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
     for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "bucket", "log_interval",

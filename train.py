@@ -89,7 +89,7 @@ class StageLoss(nn.Module):
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
         return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
-                                S.bidirectional)
+                                S.bidirectional, flex=S.flex_attention)
 
 
 def row_t_weights(S, stage, step, slot, n, device):
@@ -381,6 +381,13 @@ def build_model(r, state):
             fully_shard(layer, mp_policy=mp)
         fully_shard(r.net, mp_policy=mp)
         r.amp = nullcontext()
+    if S.flex_attention:
+        if r.device.type != "cuda" or not static_step(S):
+            raise SystemExit("flex_attention=true needs CUDA and the static step (compile=true, two_stream, "
+                             "trim_noisy, no fsdp): FlexAttention has no backward on the CPU")
+        from fast.flex import use_flex  # the engine, only when asked for
+
+        use_flex(model)
     if static_step(S):  # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     r.runner = torch.compile(r.net, fullgraph=static_step(S), dynamic=False if static_step(S) else None) \

@@ -9,14 +9,26 @@ context at long rows) and flex_attention can run fused, with grouped kv heads, w
 dense (N, 1, W, l + W) mask that keeps sdpa off its flash kernels. One BlockMask serves every
 layer of a micro-batch.
 
+How training uses it (`train.py --compile=true --flex_attention=true`, CUDA only): `use_flex`
+swaps the model's Attention modules for FlexTwoStreamAttention (same parameters), and
+fast.train.mars_loss_static hands the layers a FlexMask: two_stream_window's TwoStreamMask with
+the BlockMask of the same rule beside it. The swapped attention runs flex_attention on it; any
+other mask (and a FlexMask's dense rows, for model.attend) takes the reference's path.
+
 On the CPU flex_attention has no backward (torch 2.13): there the dense path of model.attend
 stays what trains; tests/test_fast_flex.py proves the rule equal to the dense mask on every
-(query, key) pair, no allowed pair in a skipped block, and flex's forward equal to model.attend
-in float64.
+(query, key) pair, no allowed pair in a skipped block, flex's forward equal to model.attend
+in float64, the static loss with real flex (no gradients) equal to mars.mars_loss, and with flex
+replaced by its dense mask the static loss and every gradient equal to mars.mars_loss's.
 """
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from model import Attention, TwoStreamMask
 
 
 def two_stream_mask_mod(l, block_size, start, bidirectional=False):
@@ -45,3 +57,28 @@ def two_stream_block_mask(l, W, block_size, start, bidirectional=False, tile=128
 def flex_attend(q, k, v, block_mask, scale):
     """model.attend over a BlockMask: q (N, nh, T, hd), k, v (N, nkv, T, hd) -> (N, nh, T, hd)."""
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@dataclass(frozen=True)
+class FlexMask(TwoStreamMask):
+    """A TwoStreamMask (its dense rows: what model.attend reads) with the BlockMask of the same
+    rule over the whole (l + W)-token row (what FlexTwoStreamAttention runs)."""
+    block_mask: object = None
+
+
+class FlexTwoStreamAttention(Attention):
+    """model.Attention (`use_flex` swaps its class in: same parameters) that runs a FlexMask's
+    BlockMask with flex_attention in one call, and every other mask as the reference does."""
+
+    def attention(self, q, k, v, mask):
+        if isinstance(mask, FlexMask):
+            return flex_attend(q, k, v, mask.block_mask, self.hd ** -0.5)
+        return super().attention(q, k, v, mask)
+
+
+def use_flex(model: nn.Module) -> nn.Module:
+    """Swap every model.Attention of `model` for FlexTwoStreamAttention, in place (returns it)."""
+    for module in model.modules():
+        if type(module) is Attention:
+            module.__class__ = FlexTwoStreamAttention
+    return model

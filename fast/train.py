@@ -70,12 +70,18 @@ def per_sequence_mean(ce, count):
 
 
 def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bidirectional=False,
-                     chunk=1024):
-    """mars.mars_loss(..., trim_noisy=True) of a static_batch: (loss, l_mask, l_ar)."""
+                     chunk=1024, flex=False):
+    """mars.mars_loss(..., trim_noisy=True) of a static_batch: (loss, l_mask, l_ar). flex: hand
+    the layers a fast.flex.FlexMask (the model's attention swapped by fast.flex.use_flex runs it
+    with flex_attention; a plain Attention reads its dense rows)."""
     N, l = ids.shape
     inputs, position_ids, mask, start = two_stream_window(ids, labels, mask_id, block_size, bidirectional,
                                                           window=window)
     W = inputs.shape[1] - l
+    if flex:
+        from fast.flex import FlexMask, two_stream_block_mask
+
+        mask = FlexMask(mask.rows, two_stream_block_mask(l, W, block_size, start, bidirectional))
     h = model.hidden(inputs, position_ids, mask)  # (N, l + W, C)
     C, weight = h.shape[-1], model.lm_head.weight
     target, count = targets_of(labels)  # (N, l), (N,)

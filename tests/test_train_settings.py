@@ -39,6 +39,7 @@ def test_settings_overrides_and_errors(tmp_path):
                       (["lr=3"], "bad argument 'lr=3'"),
                       (["--dtype=float16"], "dtype must be"),
                       (["--block_size=0"], "block_size must be >= 1"),
+                      (["--flex_attention=true"], "flex_attention=true needs compile=true"),
                       (["--config", str(tmp_path / "absent.json")], "absent.json")):
         with pytest.raises(SystemExit, match=re.escape(err)):
             parse_settings(argv)
