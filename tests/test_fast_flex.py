@@ -161,8 +161,9 @@ def test_the_static_step_with_flex_compiles_whole(fresh_dynamo):
 
 
 def test_train_py_refuses_flex_on_the_cpu_and_writes_nothing(data_dir, tmp_path):
-    import train
     from train_run import args
+
+    import train
 
     out = tmp_path / "flex"
     with pytest.raises(SystemExit, match="flex_attention=true needs CUDA"):

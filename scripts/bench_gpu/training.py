@@ -25,8 +25,12 @@ def train_section(out, budget):
     )
     # the static step compiled (fast/train.py, what train.py --compile=true runs) first: the
     # compiled rows are the ones that did not fit the budget before
-    for kind, compiled in (("MARS static", True), ("AR static", True), ("AR", False), ("MARS", False),
-                           ("AR", True), ("MARS", True)):
+    kinds = [("MARS static", True), ("AR static", True)]
+    if common.RUN.device == "cuda":  # FlexAttention has no backward on the CPU
+        kinds.append(("MARS static flex", True))
+    kinds += [("MARS static, no checkpointing", True), ("AR", False), ("MARS", False), ("AR", True),
+              ("MARS", True)]
+    for kind, compiled in kinds:
         if budget.left() > (150 if compiled else 45):
             res["rows"].append(train_one(cfg, S, kind, compiled))
             empty_cache()
@@ -36,13 +40,21 @@ def train_section(out, budget):
 def train_one(cfg, S, kind, compiled):
     """Warm-up step, then the fastest of common.RUN.timed_steps steps, their peak memory (on CUDA), the
     step's model FLOPs (util/flops.py: the reference's work, whichever step runs) and MFU. kind:
-    AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py)."""
+    AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py);
+    "MARS static flex": its attention by FlexAttention (fast/flex.py); ", no checkpointing": the
+    activations kept (the peak to hold against the 24 GB config's 12 GiB target)."""
     from fast.train import ar_loss_static, mars_loss_static, static_batch
     from mars import IGNORE, ar_loss, mars_loss, noisy_window
     from util.flops import ar_step_flops, mars_step_flops
 
     model = init_weights(Qwen2(cfg), seed=0).to(common.RUN.device)
-    model.gradient_checkpointing = True
+    name, flex = kind, "flex" in kind
+    model.gradient_checkpointing = "no checkpointing" not in kind
+    if flex:
+        from fast.flex import use_flex
+
+        use_flex(model)
+    kind = kind.split(",")[0].replace(" flex", "")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     g = torch.Generator().manual_seed(0)
@@ -61,7 +73,7 @@ def train_one(cfg, S, kind, compiled):
         if kind == "AR static":
             return ar_loss_static(model, x, y)
         if kind == "MARS static":
-            return mars_loss_static(model, x, y, window, MASK, 4)[0]
+            return mars_loss_static(model, x, y, window, MASK, 4, flex=flex)[0]
         return ar_loss(model, ids, labels) if kind == "AR" else mars_loss(model, ids, labels, MASK, 4,
                                                                          trim_noisy=True)[0]
 
@@ -81,5 +93,5 @@ def train_one(cfg, S, kind, compiled):
     times = [timed(one_step)[0] for _ in range(common.RUN.timed_steps)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     peak_fl = peak_flops()
-    return dict(loss=kind, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
+    return dict(loss=name, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
                 mfu=None if peak_fl is None else flops / min(times) / peak_fl)
