@@ -19,9 +19,9 @@ and one function does a whole step on it, in place:
 
 Compiled whole (`torch.compile(step, fullgraph=True)`), a step is one graph; the host replays
 it `chunk` steps at a time and reads one flag (are all rows done?) after each chunk. A finished
-row keeps stepping, masked: it emits and commits nothing. Sampling (AR and the window) draws
-with counter-based random numbers (fast/sample.py: a hash of the row's seed, the step and the
-position), so a graph replays with no generator state; exact mode on the device is greedy.
+row keeps stepping, masked: it emits and commits nothing. Sampling draws with counter-based
+random numbers (fast/sample.py: a hash of the row's seed, the step and the position), so a graph
+replays with no generator state; exact mode samples by fast.sample.speculative.
 
 What they must equal: generate.generate_ar, generate.generate and exact.generate_exact, token
 for token (greedy; ragged prompts, EOS in the middle of a chunk, several τ and K), and a
@@ -38,9 +38,9 @@ from decoding import Generation, logits_at, pad_rows
 from exact import check_exact, step_layout
 from fast.attention import round_up
 from fast.cache import KEY_BLOCK, FastCache
-from fast.sample import candidates
+from fast.sample import candidates, counter_uniforms, draw, speculative
 from model import Qwen2
-from sampling import GREEDY, confidence, confident, greedy_accept, pick, sample_drafts
+from sampling import GREEDY, confidence, confident, greedy_accept, pick, processed_probs, sample_drafts
 
 EOS_SLOTS = 8  # EOS ids a State holds (-1 padded); more make a wider buffer (a new graph)
 _STATES = weakref.WeakKeyDictionary()  # model -> {shape: State}
@@ -72,7 +72,7 @@ class State:
         self.eos, self.max_new, self.tau = z(EOS_SLOTS), z(()), z((), dtype=torch.float32)
         self.seeds, self.step, self.forwards = z(N), z(()), z(N)
         self.sampling, self.mask_id, self.threshold = GREEDY, 0, 0.0
-        self.offsets = self.mask = None
+        self.offsets = self.mask = self.q = None  # exact mode's layout; its drafts' q when sampling
         if device.type == "cuda":  # a CUDA graph updates these very tensors in place
             for t in (self.tok, self.n_tok, self.out, self.n_out, self.done, self.eos, self.max_new,
                       self.tau, self.seeds, self.step, self.forwards, self.cache.lengths):
@@ -167,29 +167,50 @@ def window_step(model, st):
 
 
 def exact_step(model, st):
-    """One greedy exact-mode step (exact.exact_steps): forward [c_0, d_1..d_K | G_0 .. G_K];
-    t = the AR argmaxes at c_0, d_1..d_K; accept the leading run of d_i == t_{i-1} among the
-    row's n_tok real drafts (a of them); emit t_0..t_a (the accepted drafts are t_0..t_{a-1},
-    the bonus is t_a; `emit` cuts at EOS and the budget); commit c_0, d_1..d_a for a row still
-    going; the argmaxes of G_a (the group that saw exactly those) are the next drafts, cut by
-    the threshold as exact.draft cuts them. The reference forwards fewer drafts where a row has
-    fewer or its budget could not emit them; here every step forwards K: a draft past n_tok is
-    seen only by tokens and groups past it, whose outputs are not read."""
+    """One exact-mode step (exact.exact_steps): forward [c_0, d_1..d_K | G_0 .. G_K]; verify the
+    row's n_tok real drafts against the AR outputs at c_0, d_1..d_K (greedy: the leading run of
+    d_i == the argmax t_{i-1}, the bonus t_a; sampled: fast.sample.speculative against the q the
+    drafts were drawn from); emit d_1..d_a and the bonus (`emit` cuts at EOS and the budget);
+    commit c_0, d_1..d_a for a row still going; the group G_a (the one that saw exactly those)
+    gives the next drafts (`next_drafts`). The reference forwards fewer drafts where a row has fewer
+    or its budget could not emit them; here every step forwards K: a draft past n_tok is seen
+    only by tokens and groups past it, whose outputs are not read."""
     N, K1 = st.tok.shape
     K = K1 - 1
     j = torch.arange(K, device=st.tok.device)
     tokens = torch.cat([st.tok, torch.full_like(st.tok, st.mask_id).repeat(1, K)], 1)  # (N, (1+K)^2)
     h = forward(model, st, tokens, st.cache.lengths[:, None] + st.offsets, st.mask)
     logits = model.lm_head(h)  # (N, (1+K)^2, V): one head call for the verification and every group
-    t = pick(logits[:, :K1], GREEDY)  # (N, 1+K)
-    a, bonus = greedy_accept(t, st.tok[:, 1:], st.n_tok)
-    emit(st, t, a + 1)
+    d = st.tok[:, 1:]
+    u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # accept tests, the bonus, the next drafts
+    if st.sampling.greedy:
+        t = pick(logits[:, :K1], GREEDY)  # (N, 1+K): the accepted drafts are t_0..t_{a-1}, the bonus t_a
+        a, bonus = greedy_accept(t, d, st.n_tok)
+        emitted = t
+    else:
+        p = processed_probs(logits[:, :K1], st.sampling)
+        a, bonus = speculative(p, st.q, d, st.n_tok, u[:, :K1])
+        emitted = torch.cat([d, bonus[:, None]], 1).scatter(1, a[:, None], bonus[:, None])  # d_1..d_a, bonus
+    emit(st, emitted, a + 1)
     st.cache.lengths.add_((1 + a) * ~st.done)  # exact.keep_verified: rows still going
     idx = K1 + a[:, None] * K + j  # (N, K): the group G_a
-    group = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
-    d, n_next, _ = sample_drafts(group, GREEDY, None, st.threshold)
-    st.tok.copy_(torch.cat([bonus[:, None], d], 1))
+    group = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # (N, K, V)
+    d_next, n_next = next_drafts(st, group, u[:, K1:])
+    st.tok.copy_(torch.cat([bonus[:, None], d_next], 1))
     st.n_tok.copy_(n_next)
+
+
+def next_drafts(st, logits, u):
+    """Exact mode's drafts from a group's logits (N, K, V) -> d (N, K), n (N,): the argmaxes
+    (greedy) or draws from q = the processed distribution, kept in st.q for the next step's
+    verification (sampled, with the uniforms u (N, K)); n cut by the threshold on the raw
+    probability of each position's argmax (sampling.sample_drafts: the cut never reads the draw)."""
+    top, n, _ = sample_drafts(logits, GREEDY, None, st.threshold)
+    if st.sampling.greedy:
+        return top, n
+    q = processed_probs(logits, st.sampling)
+    st.q.copy_(q)
+    return draw(q, u), n
 
 
 # ---------------------------------------------------------------- the host loop
@@ -240,19 +261,30 @@ def generate_window_device(model, prompts, block_size, tau, max_new_tokens, mask
 
 @torch.no_grad()
 def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), chunk=8,
-                          step=exact_step, draft_threshold=0.0, block_size=None):
-    """Greedy exact mode (exact.generate_exact at temperature 0) with every step on the device
-    -> per row its Generation (exact.generate_exact's: the greedy AR tokens). drafts: K
-    (<= block_size when given)."""
+                          step=exact_step, draft_threshold=0.0, block_size=None, sampling=GREEDY):
+    """Exact mode (exact.generate_exact) with every step on the device -> per row its Generation:
+    greedy, exact.generate_exact's (the greedy AR tokens); sampled, distributed as AR sampling
+    (fast.sample.speculative with the counter's numbers). drafts: K (<= block_size when given)."""
     K = drafts
     check_exact(K, block_size or K, draft_threshold)
+    check_device_sampling(sampling)
     rows = [q + [mask_id] * K for q in prompts]  # the prefill: [prompt | G_0], as exact_steps'
     st, logits = start(model, rows, list(map(len, prompts)), 1 + K, (1 + K) ** 2, max_new_tokens, eos_ids,
-                       1.0, GREEDY, mask_id)
+                       1.0, sampling, mask_id)
     st.threshold = draft_threshold
     st.offsets, st.mask = step_layout(K, K, st.tok.device)
-    c, _ = keep(st, logits)  # τ = 1: c_0 alone is emitted; c_1.. are G_0's argmaxes
-    d, n, _ = sample_drafts(logits[:, 1:], GREEDY, None, draft_threshold)
-    st.tok.copy_(torch.cat([c[:, :1], d], 1))
+    N, V = len(prompts), logits.shape[-1]
+    if not sampling.greedy and (st.q is None or st.q.shape != (N, K, V)):
+        st.q = torch.zeros(N, K, V, device=logits.device)  # the drafts' distributions
+        if st.q.is_cuda:
+            torch._dynamo.mark_static_address(st.q)
+    u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # step 0: the same positions as exact_step's
+    if sampling.greedy:
+        c0 = pick(logits[:, :1], GREEDY)[:, 0]
+    else:
+        c0 = draw(processed_probs(logits[:, 0], sampling), u[:, K])
+    emit(st, c0[:, None], torch.ones_like(c0))  # c_0, the AR token after the prompt
+    d, n = next_drafts(st, logits[:, 1:], u[:, K + 1:])
+    st.tok.copy_(torch.cat([c0[:, None], d], 1))
     st.n_tok.copy_(n)
     return run(model, st, step, chunk)

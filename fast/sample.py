@@ -12,6 +12,7 @@ request is reproducible from its seed, and a row's draws do not depend on the ot
   counter_uniforms(seeds, step, n)   (N,) seeds, () step -> (N, n) uniforms in (0, 1)
   draw(probs, u)                     inverse CDF: the token whose cumulative interval holds u
   candidates(logits, s, seeds, step) the argmax at temperature 0, else draw(processed_probs, u)
+  speculative(p, q, d, n, u)         exact mode's speculative acceptance (sampling.speculative_accept)
 
 The hash is `mix32`, Chris Wellons's "lowbias32" finaliser, on 32-bit words held in int64 with
 every product split so that nothing overflows (the same numbers on every device and backend).
@@ -71,3 +72,22 @@ def candidates(logits, s, seeds, step):
         return pick(logits, GREEDY)
     N, n, _ = logits.shape
     return draw(processed_probs(logits, s), counter_uniforms(seeds, step, n))
+
+
+def speculative(p, q, d, n, u):
+    """sampling.speculative_accept with the counter's numbers: p (N, K+1, V) the processed AR
+    distributions at c_0, d_1..d_K; q (N, K, V) the distributions the drafts d (N, K) were drawn
+    from, row b's first n[b] real; u (N, K+1): u[:, :K] the accept tests, u[:, K] the bonus draw.
+    Accept d_i while u_i q(d_i) < p(d_i) (probability min(1, p/q)); at the first rejection the
+    bonus is drawn from normalise(max(0, p - q)) there, after the last real draft from p.
+    -> a (N,) accepted, bonus (N,). Its tokens are distributed as AR sampling from p."""
+    N, K = d.shape
+    pd = p[:, :K].gather(-1, d[..., None])[..., 0]  # (N, K): the target probability of each draft
+    qd = q.gather(-1, d[..., None])[..., 0]  # its draft probability
+    ok = (u[:, :K] * qd < pd) & (torch.arange(K, device=d.device) < n[:, None])  # u < p/q, no 0/0
+    a = ok.long().cumprod(1).sum(1)
+    row = torch.arange(N, device=d.device)
+    p_a, q_a = p[row, a], q[row, a.clamp(max=K - 1)]  # (N, V): at the first rejection or after d_n
+    residual = (p_a - q_a).clamp(min=0)
+    rejected = (a < n) & (residual.sum(-1) > 0)
+    return a, draw(torch.where(rejected[:, None], residual, p_a), u[:, K])

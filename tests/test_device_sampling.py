@@ -15,8 +15,11 @@
     counter's numbers; τ on the raw probability; EOS and budget), ragged prompts, τ 1 and 0.05
     with drafts accepted, EOS in the middle of a chunk: so a row in a batch is the row alone
     with seed + b, and a request is reproducible from its seed;
-  * a sampled step compiles whole (fullgraph=True, aot_eager) once for two requests with other
-    seeds, and reads nothing back from the device (meta device).
+  * exact mode sampled on the device (fast.sample.speculative) passes the same chi-square test
+    (K = 2, T = 0.7, top-p 0.9) at fewer forwards than tokens, and the test rejects a wrong rule
+    (accept every draft); a row in its batch is the row alone with seed + b, a seed reproduces;
+  * a sampled step (window, exact) compiles whole (fullgraph=True, aot_eager) once for two
+    requests with other seeds, and reads nothing back from the device (meta device).
 """
 
 import copy
@@ -36,8 +39,10 @@ from sampling_reference import (
 from test_fast_paths import tiny_model
 
 import fast
+import fast.cache
+import fast.loop
 from decoding import Generation
-from fast.loop import State, generate_ar_device, generate_window_device, window_step
+from fast.loop import State, generate_ar_device, generate_exact_device, generate_window_device, window_step
 from fast.sample import counter_uniforms, draw
 from model import Qwen2
 from sampling import Sampling
@@ -67,9 +72,9 @@ def test_counter_uniforms_are_the_rule_written_out():
 
 def test_counter_uniforms_are_uniform():
     """20 equal bins, 60,000 numbers each way: across steps, positions and rows."""
-    for seeds, steps, n in ((torch.arange(1), range(60_000), 1), (torch.arange(1), range(1), 60_000),
-                            (torch.arange(60_000), range(1), 1)):
-        u = torch.cat([counter_uniforms(seeds, torch.tensor(t), n).flatten() for t in steps])
+    one, zero, many = torch.arange(1), torch.tensor(0), torch.arange(60_000)
+    for seeds, steps, n in ((one, many, 1), (one, zero, 60_000), (many, zero, 1)):
+        u = counter_uniforms(seeds, steps, n).flatten()  # steps (60,000,) broadcast against one seed
         assert 0 < u.min() and u.max() < 1
         stat, df = chi_square(torch.bincount((u * 20).long(), minlength=20), torch.full((20,), 0.05))
         assert stat < critical_value(df), stat
@@ -89,6 +94,15 @@ PROMPT, V, L, N, CHUNK = [1, 2, 3], 8, 3, 20_000, 2_000
 SETTINGS = {"T=1": Sampling(temperature=1.0), "T=0.7,top-p=0.9": Sampling(temperature=0.7, top_p=0.9)}
 
 
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Static caches in key blocks of 16 slots, not 512: 20,000 rows of a tiny model attend over
+    ~32 slots instead of 512 (30x less work). Masked slots add exact zeros (fast/cache.py), so no
+    number changes; the 512-slot blocks are proven in tests/test_engine.py and test_bf16.py."""
+    monkeypatch.setattr(fast.cache, "KEY_BLOCK", 16)
+    monkeypatch.setattr(fast.loop, "KEY_BLOCK", 16)
+
+
 @pytest.fixture(scope="module")
 def v8(tmp_path_factory):
     """(HF tiny vocab-8 model, the engine over our Qwen2 with the same weights)."""
@@ -97,7 +111,7 @@ def v8(tmp_path_factory):
     return hf, fast.make_fast(Qwen2.from_pretrained(str(path)).eval())
 
 
-def test_the_device_ar_sampler_follows_the_ar_distribution(v8):
+def test_the_device_ar_sampler_follows_the_ar_distribution(v8, small_blocks):
     hf, engine = v8
     counts, refs = {}, {}
     for name, s in SETTINGS.items():
@@ -113,6 +127,42 @@ def test_the_device_ar_sampler_follows_the_ar_distribution(v8):
         assert df > 100 and stat < critical_value(df), (name, stat, critical_value(df))
         wrong, df = chi_square(counts[name], refs[other])
         assert wrong > critical_value(df), (name, "the test cannot tell the settings apart")
+
+
+def accept_every_draft(p, q, d, n, u):
+    """A deliberately WRONG rule: keep every real draft, then draw from p after the last one."""
+    return n, draw(p[torch.arange(len(n)), n], u[:, d.shape[1]])
+
+
+def test_device_exact_mode_samples_the_ar_distribution(v8, small_blocks, monkeypatch):
+    """Exact mode on the device (fast.sample.speculative), K = 2 at temperature 0.7 with top-p 0.9
+    (20,000 rows): its first three tokens pass the chi-square test against the exact AR
+    distribution, at fewer forwards than tokens; with the wrong rule (accept every draft) the same
+    test rejects it (4,000 rows). A budget of 3 tokens: the first step still verifies both drafts
+    (the device loop forwards all K; the budget cuts what is emitted, after the rule). (K = 4 at
+    20,000 rows costs 19 s here; its greedy tokens are tests/test_fast_loop.py's.)"""
+    hf, engine = v8
+    K, MASK_V8, s = 2, 7, SETTINGS["T=0.7,top-p=0.9"]  # id 7 plays <|mask|>, as in test_sampling_decoders.py
+
+    def samples(n_rows):
+        rows, tokens, forwards = [], 0, 0
+        for i in range(n_rows // CHUNK):
+            s_i = Sampling(temperature=s.temperature, top_p=s.top_p, seed=i * CHUNK)
+            gens = generate_exact_device(engine, [PROMPT] * CHUNK, K, L, MASK_V8, sampling=s_i)
+            rows += [g.ids for g in gens]
+            tokens += sum(len(g.ids) for g in gens)
+            forwards += sum(g.forwards for g in gens)
+        return histogram(torch.tensor(rows), V), tokens, forwards
+
+    ref, _ = ar_distribution(hf_next_logits(hf), PROMPT, L, V, s)
+    counts, tokens, forwards = samples(N)
+    stat, df = chi_square(counts, ref)
+    assert df > 100 and stat < critical_value(df), (stat, critical_value(df))
+    assert tokens > forwards  # drafts were accepted
+    monkeypatch.setattr(fast.loop, "speculative", accept_every_draft)
+    counts, _, _ = samples(2 * CHUNK)
+    stat, df = chi_square(counts, ref)
+    assert stat > critical_value(df), "the test cannot tell the wrong rule"
 
 
 # ---------------------------------------------------------------- token for token
@@ -188,3 +238,34 @@ def test_a_sampled_step_reads_nothing_back_from_the_device():
     st = State(model, 3, 512, 8, 4)
     st.mask_id, st.sampling = MASK, S
     window_step(model, st)
+
+
+def test_device_exact_sampling_is_a_row_alone_and_reproducible(pair, fresh_dynamo):
+    """Sampled exact mode on the device: a row in a batch draws what it draws alone with seed + b,
+    the same seed gives the same tokens, another seed others; compiled whole (aot_eager) it gives
+    the eager tokens with one graph for two seeds; a step reads nothing back (meta device)."""
+    import dataclasses
+
+    from exact import step_layout
+    from fast.loop import exact_step
+
+    ref, engine = pair
+    run = lambda prompts, s, step=exact_step: generate_exact_device(engine, prompts, 2, 16, MASK, (), 4, step,
+                                                                    sampling=s)
+    batch = run(PROMPTS, S)
+    alone = [run([p], dataclasses.replace(S, seed=S.seed + b))[0] for b, p in enumerate(PROMPTS)]
+    assert batch == alone and run(PROMPTS, S) == batch
+    other = run(PROMPTS, dataclasses.replace(S, seed=S.seed + 7))
+    assert [g.ids for g in other] != [g.ids for g in batch]
+    assert sum(len(g.ids) for g in batch) > sum(g.forwards for g in batch)  # drafts were accepted
+    step = torch.compile(exact_step, fullgraph=True, backend="aot_eager", dynamic=False)
+    before = graphs_built()
+    assert run(PROMPTS, S, step) == batch
+    assert run(PROMPTS, dataclasses.replace(S, seed=S.seed + 7), step) == other
+    assert graphs_built() - before == 1
+    model = fast.make_fast(tiny_model(3, 2).double().eval()).to("meta")
+    st = State(model, 3, 512, 9, 3)
+    st.mask_id, st.sampling, st.threshold = MASK, S, 0.0
+    st.offsets, st.mask = step_layout(2, 2, "meta")
+    st.q = torch.zeros(3, 2, model.config.vocab_size, device="meta")
+    exact_step(model, st)
