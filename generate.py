@@ -341,6 +341,12 @@ def decoder(args, model, block_size, mask_id, eos_ids):
     """prompts, knob -> the step generator the command line asks for: τ-gated, or --exact;
     sampled with knob.sampling and the knob's generators."""
     device = model.lm_head.weight.device
+    if args.device_loop:  # the engine's loops, with the whole step on the device (fast/loop.py)
+        from fast.loop import device_decoder
+
+        return device_decoder(model, block_size=block_size, max_new_tokens=args.max_new_tokens,
+                              mask_id=mask_id, eos_ids=eos_ids, exact=args.exact, drafts=args.drafts,
+                              draft_threshold=args.draft_threshold)
 
     def decode(prompts, knob):
         common = dict(max_new_tokens=args.max_new_tokens, mask_id=mask_id, eos_ids=eos_ids,
@@ -391,6 +397,9 @@ def parse_args(argv=None):
                    "default is the reference, float32 and plain")
     p.add_argument("--compile", action="store_true", help="--fast, with the decoding step compiled once "
                    "per shape (CUDA graphs on a GPU, inductor on the CPU; the first reply pays the compile)")
+    p.add_argument("--device-loop", action="store_true", help="--fast, with the whole decoding step "
+                   "on the device, compiled (head, acceptance and cache update in one graph; the host reads "
+                   "every 8 steps; fast/loop.py); --cache window, --accept-metric probability")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="default: float32, or with --fast auto: bfloat16 where the device has bf16 units, "
                    "else float32 (util/precision.py); bfloat16 and float16 decode through the engine, "
@@ -432,15 +441,16 @@ def tau_of(args, ck, metric):
 def open_model(args):
     """The checkpoint, its model the reference (float32, plain) or, with --fast, --compile or a
     low-precision --dtype, the engine (fast.make_fast) -> (Checkpoint, what runs, in words)."""
-    args.fast = args.fast or args.compile or args.dtype in ("auto", "bfloat16", "float16")
+    args.fast = args.fast or args.compile or args.device_loop or args.dtype in ("auto", "bfloat16", "float16")
     dtype, why = choose_dtype(args.dtype or ("auto" if args.fast else "float32"), args.device)
     ck = load_checkpoint(args.ckpt, args.device, dtype)
     if not args.fast:
         return ck, f"{dtype_name(dtype)}: the reference (--fast for the engine)"
     import fast  # the engine, only when asked for: the reference never loads it
 
-    fast.make_fast(ck.model, compile=args.compile)
-    return ck, f"{dtype_name(dtype)}: {why}; the engine{', compiled' if args.compile else ''}"
+    fast.make_fast(ck.model, compile=args.compile and not args.device_loop)
+    how = ", the step on the device" if args.device_loop else ", compiled" if args.compile else ""
+    return ck, f"{dtype_name(dtype)}: {why}; the engine{how}"
 
 
 def run(args):
@@ -449,6 +459,11 @@ def run(args):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, args.accept_metric)
     if args.tau is not None:
         check_tau(args.tau, sampling.accept_metric)
+    if args.device_loop and args.cache != "window":
+        raise ValueError(f"--device-loop decodes with --cache window, got --cache {args.cache}")
+    if args.device_loop and sampling.accept_metric != "probability":
+        raise ValueError(f"--device-loop compares τ with the probability, got --accept-metric "
+                         f"{sampling.accept_metric}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     ck, why = open_model(args)

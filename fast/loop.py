@@ -34,15 +34,17 @@ import weakref
 
 import torch
 
-from decoding import Generation, logits_at, pad_rows
+from decoding import Step, collect, logits_at, pad_rows
 from exact import check_exact, step_layout
 from fast.attention import round_up
 from fast.cache import KEY_BLOCK, FastCache
 from fast.sample import candidates, counter_uniforms, draw, speculative
+from fast.step import compiled
 from model import Qwen2
 from sampling import GREEDY, confidence, confident, greedy_accept, pick, processed_probs, sample_drafts
 
 EOS_SLOTS = 8  # EOS ids a State holds (-1 padded); more make a wider buffer (a new graph)
+HISTORY = 64  # steps a State remembers the emitted counts of: a chunk is at most HISTORY - 1 steps
 _STATES = weakref.WeakKeyDictionary()  # model -> {shape: State}
 
 
@@ -59,7 +61,8 @@ class State:
       eos, max_new   the EOS ids (-1 padded), the budget (a 0-d tensor: no new graph per budget)
       tau            () float32: the τ of the window (1.0 elsewhere)
       seeds, step    (N,) seed + b and () the forwards so far: the sampler's counter
-      forwards       (N,) the forwards run while each row was generating (Generation.forwards)
+      history        (HISTORY, N): the tokens each row emitted at step s, in row s % HISTORY,
+                     so the host splits a chunk's output into its steps (`steps`)
     Python settings (a new value is a new graph): sampling, mask_id, threshold; exact mode's
     position offsets and (T, T) mask (exact.step_layout) as tensors."""
 
@@ -70,12 +73,12 @@ class State:
         self.tok, self.n_tok = z(N, B), z(N)
         self.out, self.n_out, self.done = z(N, slots + B), z(N), z(N, dtype=torch.bool)
         self.eos, self.max_new, self.tau = z(EOS_SLOTS), z(()), z((), dtype=torch.float32)
-        self.seeds, self.step, self.forwards = z(N), z(()), z(N)
+        self.seeds, self.step, self.history = z(N), z(()), z(HISTORY, N)
         self.sampling, self.mask_id, self.threshold = GREEDY, 0, 0.0
         self.offsets = self.mask = self.q = None  # exact mode's layout; its drafts' q when sampling
         if device.type == "cuda":  # a CUDA graph updates these very tensors in place
             for t in (self.tok, self.n_tok, self.out, self.n_out, self.done, self.eos, self.max_new,
-                      self.tau, self.seeds, self.step, self.forwards, self.cache.lengths):
+                      self.tau, self.seeds, self.step, self.history, self.cache.lengths):
                 torch._dynamo.mark_static_address(t)
 
 
@@ -93,7 +96,7 @@ def start(model, rows, lengths, B, width, max_new_tokens, eos_ids=(), tau=1.0, s
     if len(eos) > st.eos.numel():
         st.eos = torch.zeros(len(eos), dtype=torch.long, device=p.device)
     st.eos.fill_(-1)[: len(eos)] = torch.tensor(eos, dtype=torch.long)
-    st.n_out.zero_(), st.done.zero_(), st.step.zero_(), st.cache.lengths.zero_(), st.forwards.fill_(1)
+    st.n_out.zero_(), st.done.zero_(), st.step.zero_(), st.cache.lengths.zero_()
     st.max_new.fill_(max_new_tokens), st.tau.fill_(tau)
     st.seeds.copy_(sampling.seed + torch.arange(N))
     st.sampling, st.mask_id, st.cache.commits, st.cache.T = sampling, mask_id, 0, None
@@ -117,6 +120,7 @@ def emit(st, c, a):
     at = st.n_out[:, None] + j  # (N, n): distinct columns; those past k keep what they held
     st.out.scatter_(1, at, torch.where(j < k[:, None], c, st.out.gather(1, at)))
     st.n_out.add_(k)
+    st.history.index_copy_(0, (st.step % HISTORY).view(1), k.view(1, -1))
     st.done.logical_or_(live & ((first_eos < k) | (st.n_out >= st.max_new)))
     return k
 
@@ -135,7 +139,6 @@ def forward(model, st, tokens, position_ids=None, mask=None):
     """The step's forward over the state's cache (writes the tokens' K/V at each row's length,
     commits nothing), counted for the rows still generating -> hidden states (N, T, C)."""
     st.step.add_(1)
-    st.forwards.add_((~st.done).long())
     cache = FastCache.over(st.cache.k, st.cache.v, st.cache.lengths)
     return Qwen2.hidden(model, tokens, position_ids, mask, cache)
 
@@ -214,14 +217,43 @@ def next_drafts(st, logits, u):
 
 
 # ---------------------------------------------------------------- the host loop
-def run(model, st, step, chunk):
-    """Replay step(model, st) `chunk` times between reads of the one flag, until every row is
-    done -> per row a decoding.Generation: its emitted ids and forwards (one read at the end)."""
-    while not bool(st.done.all()):  # the one read, every `chunk` steps
+def steps(model, st, step, chunk, knob=None):
+    """The host loop, as a generator of decoding.Step (what the reference decoders yield, so
+    decoding.collect and the chat's streaming read it unchanged): replay step(model, st) `chunk`
+    times, then one read of the device (the output buffer, the emitted counts of the chunk's
+    steps, the step counter and the finished flags, together), and yield the chunk's steps one by
+    one, each with the tokens its rows emitted and the forwards so far; the prefill's is the
+    first. knob: a decoding.Knob whose τ is read before every chunk (the chat's /tau)."""
+    if not 1 <= chunk < HISTORY:
+        raise ValueError(f"chunk must be in [1, {HISTORY - 1}], got {chunk}")
+    N, width, told, seen = st.n_out.shape[0], st.out.shape[1], 0, [0] * st.n_out.shape[0]
+    tau = float(st.tau)  # the prefill's (start set it; the reference's Step.tau)
+    while True:
+        host = torch.cat([st.out.flatten(), st.history.flatten(), st.step.view(1), st.done.long()]).tolist()
+        out = [host[b * width:(b + 1) * width] for b in range(N)]
+        history, last, done = host[N * width:-N - 1], host[-N - 1], host[-N:]
+        counts = {s: history[(s % HISTORY) * N:(s % HISTORY + 1) * N] for s in range(told, last + 1)}
+        # a live row emits at every step, a finished one never again: a row done now finished at
+        # the last of these steps in which it emitted (or before them)
+        final = [max((s for s in counts if counts[s][b] > 0), default=-1) for b in range(N)]
+        for s, k in counts.items():  # the steps not yet told, 0 the prefill
+            tokens = [out[b][seen[b]:seen[b] + k[b]] for b in range(N)]
+            seen = [a + n for a, n in zip(seen, k)]
+            finished = [bool(done[b]) and s >= final[b] for b in range(N)]
+            yield Step(tokens, finished, s + 1, tau)
+        told = last + 1
+        if all(done):
+            return
+        if knob is not None:
+            tau = knob.tau
+            st.tau.fill_(tau)
         for _ in range(chunk):
             step(model, st)
-    n_out, forwards = st.n_out.tolist(), st.forwards.tolist()
-    return [Generation(row[:m].tolist(), f) for row, m, f in zip(st.out, n_out, forwards)]
+
+
+def run(model, st, step, chunk):
+    """steps() to the end -> per row a decoding.Generation: its ids and the forwards it ran."""
+    return collect(steps(model, st, step, chunk), st.n_out.shape[0])
 
 
 def check_device_sampling(sampling):
@@ -230,45 +262,38 @@ def check_device_sampling(sampling):
                          f"{sampling.accept_metric}")
 
 
-@torch.no_grad()
-def generate_ar_device(model, prompts, max_new_tokens, eos_ids=(), chunk=8, step=ar_step, sampling=GREEDY):
-    """AR decoding of `prompts` (lists of ids) by `model` (a FastQwen2, bf16 or not) with
-    `step` (ar_step, or it compiled: torch.compile(ar_step, fullgraph=True)) -> per row its
-    Generation: greedy, generate.generate_ar's; sampled, drawn with fast.sample's numbers."""
+# ---------------------------------------------------------------- requests
+def begin_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY):
+    """An AR request's State after its prefill (its first token emitted)."""
     check_device_sampling(sampling)
     lengths = [len(q) for q in prompts]
     st, logits = start(model, prompts, lengths, 1, 1, max_new_tokens, eos_ids, 1.0, sampling)
     c, _ = keep(st, logits)
     st.tok.copy_(c)
-    return run(model, st, step, chunk)
+    return st
 
 
-@torch.no_grad()
-def generate_window_device(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), chunk=8,
-                           step=window_step, sampling=GREEDY):
-    """generate.generate(..., cache="window") with every step on the device -> per row its Generation
-    (greedy: generate.generate's). tau: a float, held as a tensor (a new τ is no new graph)."""
+def begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), sampling=GREEDY):
+    """A τ-window request's State after its prefill [prompt | B masks] (generate.window_steps')."""
     check_device_sampling(sampling)
     B = block_size
-    rows = [q + [mask_id] * B for q in prompts]  # the prefill: [prompt | B masks], as window_steps'
+    rows = [q + [mask_id] * B for q in prompts]
     st, logits = start(model, rows, list(map(len, prompts)), B, 2 * B, max_new_tokens, eos_ids, tau, sampling,
                        mask_id)
     c, kept = keep(st, logits)
     st.tok.copy_(c)
     st.n_tok.copy_(kept * ~st.done)
-    return run(model, st, step, chunk)
+    return st
 
 
-@torch.no_grad()
-def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), chunk=8,
-                          step=exact_step, draft_threshold=0.0, block_size=None, sampling=GREEDY):
-    """Exact mode (exact.generate_exact) with every step on the device -> per row its Generation:
-    greedy, exact.generate_exact's (the greedy AR tokens); sampled, distributed as AR sampling
-    (fast.sample.speculative with the counter's numbers). drafts: K (<= block_size when given)."""
+def begin_exact(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), draft_threshold=0.0,
+                block_size=None, sampling=GREEDY):
+    """An exact-mode request's State after its prefill [prompt | G_0] (exact.exact_steps'): c_0
+    emitted, the first K drafts (and their q when sampling) in place."""
     K = drafts
     check_exact(K, block_size or K, draft_threshold)
     check_device_sampling(sampling)
-    rows = [q + [mask_id] * K for q in prompts]  # the prefill: [prompt | G_0], as exact_steps'
+    rows = [q + [mask_id] * K for q in prompts]
     st, logits = start(model, rows, list(map(len, prompts)), 1 + K, (1 + K) ** 2, max_new_tokens, eos_ids,
                        1.0, sampling, mask_id)
     st.threshold = draft_threshold
@@ -287,4 +312,58 @@ def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_i
     d, n = next_drafts(st, logits[:, 1:], u[:, K + 1:])
     st.tok.copy_(torch.cat([c0[:, None], d], 1))
     st.n_tok.copy_(n)
+    return st
+
+
+@torch.no_grad()
+def generate_ar_device(model, prompts, max_new_tokens, eos_ids=(), chunk=8, step=ar_step, sampling=GREEDY):
+    """AR decoding of `prompts` (lists of ids) by `model` (a FastQwen2, bf16 or not) with
+    `step` (ar_step, or it compiled: torch.compile(ar_step, fullgraph=True)) -> per row its
+    Generation: greedy, generate.generate_ar's; sampled, drawn with fast.sample's numbers."""
+    return run(model, begin_ar(model, prompts, max_new_tokens, eos_ids, sampling), step, chunk)
+
+
+@torch.no_grad()
+def generate_window_device(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), chunk=8,
+                           step=window_step, sampling=GREEDY):
+    """generate.generate(..., cache="window") with every step on the device -> per row its Generation
+    (greedy: generate.generate's). tau: a float, held as a tensor (a new τ is no new graph)."""
+    st = begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids, sampling)
     return run(model, st, step, chunk)
+
+
+@torch.no_grad()
+def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), chunk=8,
+                          step=exact_step, draft_threshold=0.0, block_size=None, sampling=GREEDY):
+    """Exact mode (exact.generate_exact) with every step on the device -> per row its Generation:
+    greedy, exact.generate_exact's (the greedy AR tokens); sampled, distributed as AR sampling
+    (fast.sample.speculative with the counter's numbers). drafts: K (<= block_size when given)."""
+    st = begin_exact(model, prompts, drafts, max_new_tokens, mask_id, eos_ids, draft_threshold, block_size,
+                     sampling)
+    return run(model, st, step, chunk)
+
+
+def device_decoder(model, *, block_size, max_new_tokens, mask_id, eos_ids=(), exact=False, drafts=None,
+                   draft_threshold=0.0, chunk=8):
+    """generate.decoder's counterpart for the command line's --device-loop: -> decode(prompts,
+    knob), a generator of decoding.Step (the τ window, AR at τ >= 1, or exact mode), every step
+    compiled whole once per shape (fast.step.compiled: CUDA graphs on a GPU, inductor on the
+    CPU), one read of the device every `chunk` steps, τ read from the knob before every chunk."""
+    device, fns = model.lm_head.weight.device, {}
+
+    def step_of(fn):
+        if fn not in fns:
+            fns[fn] = compiled(fn, device, fullgraph=True)
+        return fns[fn]
+
+    @torch.no_grad()
+    def decode(prompts, knob):
+        s = knob.sampling
+        if exact:
+            st = begin_exact(model, prompts, drafts or block_size, max_new_tokens, mask_id, eos_ids,
+                             draft_threshold, block_size, s)
+            yield from steps(model, st, step_of(exact_step), chunk)
+        else:
+            st = begin_window(model, prompts, block_size, knob.tau, max_new_tokens, mask_id, eos_ids, s)
+            yield from steps(model, st, step_of(window_step), chunk, knob)
+    return decode

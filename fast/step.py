@@ -96,17 +96,22 @@ def compile_step(model: FastQwen2, mode: str | None = None) -> FastQwen2:
     (SmolLM2, 12 prompts, 48 tokens, AMD EPYC with AVX512-BF16: 10/12 replies = eager with it,
     8/12 without; results/SPEED.md). Not on CUDA, where it also turns off Triton's fused
     multiply-adds, unmeasured there."""
-    device = model.lm_head.weight.device
+    model.compiled = compiled(static_hidden, model.lm_head.weight.device, mode)
+    return model
+
+
+def compiled(fn, device, mode=None, fullgraph=False):
+    """torch.compile(fn) as the engine compiles a decoding step on `device` (compile_step's
+    choices: CUDA graphs on a GPU, inductor with emulate_precision_casts on the CPU)."""
     row_tile(device)  # asked before tracing: the CPU check is no graph to compile
     mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
     # torch.compile takes a mode or options, not both: the mode's options, and ours
     options = dict(torch._inductor.list_mode_options(mode), emulate_precision_casts=device.type == "cpu")
-    # one graph per decoder, batch size and dtype, all of the one function static_hidden: past
-    # dynamo's default of 8 a new shape would run eagerly, silently (bench_decode's 2 dtypes x
-    # 4 decoders x 2 batch sizes did); 64 graphs per function, as many as the 256 in all allow
+    # one graph per decoder, batch size and dtype, all of one function: past dynamo's default of
+    # 8 a new shape would run eagerly, silently (bench_decode's 2 dtypes x 4 decoders x 2 batch
+    # sizes did); 64 graphs per function, as many as the 256 in all allow
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    model.compiled = torch.compile(static_hidden, dynamic=False, options=options)
-    return model
+    return torch.compile(fn, dynamic=False, fullgraph=fullgraph, options=options)
 
 
 def make_fast(model: Qwen2, compile: bool = False) -> FastQwen2:

@@ -201,3 +201,54 @@ def test_device_exact_mode_is_ar_whatever_the_kernels_do_at_each_shape(monkeypat
     tiles_removed_from_matmuls(monkeypatch)
     broken, _ = device_decodes(model, prompts)
     assert any(replies != broken["AR batch"] for replies in broken.values())
+
+
+def test_a_knobs_tau_changed_mid_request_is_read_as_the_reference_reads_it(pair, eager_compile):
+    """fast.loop.device_decoder (the CLI's --device-loop) streams decoding.Steps, reading the knob's
+    τ before every chunk: with chunks of one step, a τ changed after the third step gives the
+    reference's mars_decode steps (read before every step), step for step."""
+    from decoding import Knob
+    from fast.loop import device_decoder
+    from generate import mars_decode
+
+    ref, eos, engine = pair
+    decode = device_decoder(engine, block_size=4, max_new_tokens=20, mask_id=MASK, eos_ids=eos, chunk=1)
+    runs = []
+    for steps in (lambda k: mars_decode(ref, PROMPTS, block_size=4, tau=k, max_new_tokens=20, mask_id=MASK,
+                                        eos_ids=eos, cache="window"),
+                  lambda k: decode(PROMPTS, k)):
+        knob, seen = Knob(1.0), []
+        for i, step in enumerate(steps(knob)):
+            seen.append((step.tokens, step.done, step.forwards, step.tau))
+            if i == 2:
+                knob.tau = 0.2
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    assert any(len(t) > 1 for s in runs[0][3:] for t in s[0])  # after the change, drafts were accepted
+
+
+def test_generate_py_device_loop_gives_the_references_replies(tmp_path, capsys, eager_compile):
+    """python generate.py --device-loop (in this process; dynamo's eager backend for the compile):
+    AR, the τ window and exact mode give the reference's JSON records (ids, forwards, tokens per
+    forward) on a tiny checkpoint, float32; a sampled run is reproducible; --cache block is a
+    message, exit 2."""
+    import json
+
+    from conftest import make_hf_model
+
+    import generate
+
+    make_hf_model(tmp_path, seed=3)
+    base = ["--ckpt", str(tmp_path), "--prompt-ids", "5,17,99,3,40", "--mask-id", "200", "--block-size", "4",
+            "--max-new-tokens", "12", "--json", "--dtype", "float32"]
+
+    def reply(*extra):
+        assert generate.main(base + list(extra)) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[0])
+
+    for mode in (["--tau", "1"], ["--tau", "0.3"], ["--exact", "--drafts", "2"]):
+        assert reply(*mode, "--device-loop") == reply(*mode), mode
+    sampled = ["--tau", "1", "--temperature", "1.5", "--seed", "4", "--device-loop"]
+    assert reply(*sampled) == reply(*sampled) != reply("--tau", "1")
+    assert generate.main(base + ["--device-loop", "--cache", "block"]) == 2
+    assert "--device-loop decodes with --cache window" in capsys.readouterr().err
