@@ -90,7 +90,7 @@ def decode_page(d):
         "ms/forward: the whole request over its forwards; steady: the forwards after the prefill; x AR: "
         "steady, against the AR row of the same kind (eager, compiled step loop, device loop); % of "
         "bandwidth: the weights read once per steady forward; syncs per token per row, kernels per "
-        "forward: one more run, observed (compiled rows).",
+        "forward: one more run, observed (the device loops, the compiled AR and exact K = 2 step loops).",
         "",
         "| batch | decoder | tokens/s | ms/forward | steady ms/forward | x AR | tokens/forward | "
         "% of bandwidth | syncs/token | kernels/forward | recompiles after warm-up |",
