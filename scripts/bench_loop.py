@@ -1,11 +1,12 @@
 """Greedy AR, the τ window and exact mode with the whole step on the device (fast/loop.py)
-against the engine's compiled step loops (generate.generate_ar, generate.generate and
-exact.generate_exact on fast.make_fast(model, compile=True)). Not a test.
+against the engine's step loops, eager and compiled (generate.generate_ar, generate.generate and
+exact.generate_exact on fast.make_fast(model, compile=True), its step toggled). Not a test.
 
-Both compiled (inductor on the CPU, CUDA graphs' mode on a GPU is bench_gpu's job), the chat
-questions, prefill included, alternated runs after a warm-up that compiles both; prints tokens/s
-(the median), ms per forward (the run's time over its forwards: the most any row ran) and
-whether the tokens are the same; then each decoder's device-loop forward against AR's.
+Inductor on the CPU (CUDA graphs' mode on a GPU is bench_gpu's job), the chat questions, prefill
+included, alternated runs after a warm-up that compiles; prints tokens/s (the median), the time
+ratios (device loop / eager, device loop / compiled step loop), ms per forward (the run's time
+over its forwards: the most any row ran) and whether the tokens are the same in all three; then
+each decoder's device-loop forward against AR's.
 
   python -m scripts.bench_loop --ckpt out/smollm2 --threads 2
 """
@@ -27,6 +28,7 @@ from fast.loop import (
     generate_window_device,
     window_step,
 )
+from fast.step import compiled
 from generate import generate, generate_ar
 from scripts.common import QUESTIONS, ints, machine
 
@@ -46,11 +48,22 @@ def main():
     print(machine("cpu"))
     ck = load_checkpoint(args.ckpt, "cpu", getattr(torch, args.dtype))
     model = fast.make_fast(ck.model, compile=True)
-    opts = dict(fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
-    steps = {f.__name__: torch.compile(f, **opts) for f in (ar_step, window_step, exact_step)}
+    step = model.compiled  # the compiled step loops' step; None: the eager loops
+    cpu = torch.device("cpu")
+    steps = {f.__name__: compiled(f, cpu, fullgraph=True) for f in (ar_step, window_step, exact_step)}
     mask, tau, K, n = ck.mask_id, args.tau, 2, args.new_tokens
     kw = dict(block_size=4, max_new_tokens=n, mask_id=mask)
-    loops = {  # name -> (the compiled step loop, the device loop), each prompts -> Generations
+
+    def with_step(s, f):  # a reference loop on the engine, its step eager (None) or compiled
+        def run(p):
+            model.compiled = s
+            try:
+                return f(p)
+            finally:
+                model.compiled = step
+        return run
+
+    loops = {  # name -> {loop: prompts -> Generations}
         "AR": (lambda p: generate_ar(model, p, n),
                lambda p: generate_ar_device(model, p, n, (), 8, steps["ar_step"])),
         f"tau={tau} window": (lambda p: generate(model, p, tau=tau, **kw),
@@ -59,31 +72,37 @@ def main():
         f"exact K={K}": (lambda p: generate_exact(model, p, drafts=K, **kw),
                          lambda p: generate_exact_device(model, p, K, n, mask, (), 8, steps["exact_step"])),
     }
+    loops = {name: {"eager step loop": with_step(None, ref), "compiled step loop": with_step(step, ref),
+                    "device loop": dev} for name, (ref, dev) in loops.items()}
     enc = lambda q: ck.tok.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
     for batch in args.batch_sizes:
         prompts = [enc(q) for q in QUESTIONS[:batch]]
         per_forward = {}
-        for name, (ref, dev) in loops.items():
-            ref(prompts), dev(prompts)  # the warm-up compiles both
-            times = {"compiled step loop": [], "device loop": []}
-            for _ in range(args.rounds):
-                t = time.perf_counter()
-                a = ref(prompts)
-                times["compiled step loop"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                b = dev(prompts)
-                times["device loop"].append(time.perf_counter() - t)
+        for name, runs in loops.items():
+            for run in runs.values():
+                run(prompts)  # the warm-up compiles
+            times, out = {k: [] for k in runs}, {}
+            for _ in range(args.rounds):  # alternated
+                for k, run in runs.items():
+                    t = time.perf_counter()
+                    out[k] = run(prompts)
+                    times[k].append(time.perf_counter() - t)
+            a, b = out["compiled step loop"], out["device loop"]
             tokens = sum(len(g.ids) for g in a)
             per_row = tokens / sum(g.forwards for g in a)
-            rates = {k: tokens / statistics.median(v) for k, v in times.items()}
-            per_forward[name] = statistics.median(times["device loop"]) / max(g.forwards for g in b) * 1e3
-            print(f"batch {batch}, {name}: " + ", ".join(f"{k} {r:.1f} tokens/s" for k, r in rates.items())
-                  + f" ({rates['device loop'] / rates['compiled step loop']:.2f}x); {per_row:.2f}"
-                  f" tokens/forward/row; device loop {per_forward[name]:.1f} ms/forward; same tokens: "
-                  f"{[g.ids for g in a] == [g.ids for g in b]}")
+            med = {k: statistics.median(v) for k, v in times.items()}
+            per_forward[name] = med["device loop"] / max(g.forwards for g in b) * 1e3
+            ids = {k: [g.ids for g in o] for k, o in out.items()}
+            same = (f"device loop = compiled step loop: {ids['device loop'] == ids['compiled step loop']}, "
+                    f"= eager step loop: {ids['device loop'] == ids['eager step loop']}")
+            dev, eager, comp = med["device loop"], med["eager step loop"], med["compiled step loop"]
+            rates = ", ".join(f"{k} {tokens / t:.1f} tokens/s" for k, t in med.items())
+            print(f"batch {batch}, {name}: {rates}"
+                  + f"; time: device loop / eager {dev / eager:.2f}x, device loop / compiled step loop "
+                  f"{dev / comp:.2f}x; {per_row:.2f} tokens/forward/row; device loop {per_forward[name]:.1f} "
+                  f"ms/forward; same tokens: {same}")  # compiled bf16 may round apart from eager
         print(f"batch {batch}, device loop ms/forward against AR's: "
               + ", ".join(f"{k} {v / per_forward['AR']:.2f}x" for k, v in per_forward.items() if k != "AR"))
-
 
 if __name__ == "__main__":
     main()

@@ -38,9 +38,9 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
             assert (f"HF generate ({impl} cache)", batch) in rows
     # exact mode = AR for every exact decoder at every batch, eager, compiled and on the device
     checks = {(c["check"], c["batch"]): c for c in res["exact"]}
-    assert len(checks) == 2 * 3 * 2 + 2 * 2 + 1  # and at the tried row tile (the CPU's 1), batch 1
+    assert len(checks) == 2 * 3 * 2 + 2 * 2 + 1  # and at the tried row tile (4 on the CPU), batch 1
     assert ("exact K=4 device loop compiled = AR device loop compiled", 2) in checks
-    assert ("exact K=2 device loop compiled, tile 1 = AR device loop compiled, tile 1", 1) in checks
+    assert ("exact K=2 device loop compiled, tile 4 = AR device loop compiled, tile 4", 1) in checks
     for (_, batch), c in checks.items():
         assert c["rows"] == batch and c["rows_equal"] == batch, c
     alone = {(c["check"], c["batch"]): c for c in res["alone"]}
@@ -57,7 +57,8 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
     assert "AR device loop" in page and "x HF's static cache" in page  # the targets' lines
     assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [  # the static step first
         ("MARS static", True), ("AR static", True), ("MARS static, no checkpointing", True), ("AR", False),
-        ("MARS", False), ("AR", True), ("MARS", True)]  # (and "MARS static flex" on CUDA)
+        ("MARS", False), ("AR", True), ("MARS", True), ("MARS static, 2 x 32", True),
+        ("AR static, 2 x 32", True)]  # (and "MARS static flex" on CUDA; 8 x 1024 there)
     flops = {r["loss"]: r["tflops"] for r in res["train"]["rows"]}
     assert flops["MARS"] > 1.5 * flops["AR"] > 0 and flops["MARS static"] == flops["MARS"]  # util/flops.py
     assert all(r["mfu"] is None for r in res["train"]["rows"])  # no GPU peak on a CPU: no MFU claimed

@@ -224,9 +224,9 @@ def tile_rows(model, loops, new, out, budget):
     """The device loops' AR and exact K = 2 at batch 1 with smaller row tiles than the GPU's 128
     (fast/linear.py: every matmul call has exactly that many rows; each tile is as row-invariant
     as another, so exact = AR must hold at each): "AR device loop compiled, tile 16" etc. The
-    dry run tries the CPU's tile 1."""
+    dry run tries a CPU tile of 4."""
     device, rows = model.lm_head.weight.device, out["decode"]["rows"]
-    for tile in (16, 32, 64) if device.type == "cuda" else (1,):
+    for tile in (16, 32, 64) if device.type == "cuda" else (4,):
         for name in ("AR device loop compiled", "exact K=2 device loop compiled"):
             if budget.left() > 120:
                 old = set_row_tile(device, tile)

@@ -76,8 +76,9 @@ def page(out):
 
 def ar_kind(r):
     """The AR training row a row is held against: "MARS static flex" and "MARS static, no
-    checkpointing" against "AR static", "MARS" against "AR"."""
-    return r["loss"].split(",")[0].replace(" flex", "").replace("MARS", "AR")
+    checkpointing" against "AR static", "MARS static, 8 x 1024" against "AR static, 8 x 1024",
+    "MARS" against "AR"."""
+    return r["loss"].replace(" flex", "").replace(", no checkpointing", "").replace("MARS", "AR")
 
 
 def decode_page(d):

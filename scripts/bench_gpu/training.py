@@ -2,6 +2,8 @@
 fast/train.py's static step, eager and compiled), its model FLOPs, MFU and peak memory against
 util/memory.py's estimate for configs/qwen2.5-0.5b-24gb.json."""
 
+import re
+
 import torch
 
 from model import Qwen2, Qwen2Config, init_weights
@@ -30,6 +32,8 @@ def train_section(out, budget):
         kinds.append(("MARS static flex", True))
     kinds += [("MARS static, no checkpointing", True), ("AR", False), ("MARS", False), ("AR", True),
               ("MARS", True)]
+    big = ", {} x {}".format(*common.RUN.big_step)  # the 40 % MFU target's shape on a GPU: 8 x 1024
+    kinds += [("MARS static" + big, True), ("AR static" + big, True)]
     for kind, compiled in kinds:
         if budget.left() > (150 if compiled else 45):
             res["rows"].append(train_one(cfg, S, kind, compiled))
@@ -42,7 +46,8 @@ def train_one(cfg, S, kind, compiled):
     step's model FLOPs (util/flops.py: the reference's work, whichever step runs) and MFU. kind:
     AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py);
     "MARS static flex": its attention by FlexAttention (fast/flex.py); ", no checkpointing": the
-    activations kept (the peak to hold against the 24 GB config's 12 GiB target)."""
+    activations kept (the peak to hold against the 24 GB config's 12 GiB target); ", 8 x 1024":
+    that many rows of that many tokens (default: the config's micro-batch of RUN's rows)."""
     from fast.train import ar_loss_static, mars_loss_static, static_batch
     from mars import IGNORE, ar_loss, mars_loss, noisy_window
     from util.flops import ar_step_flops, mars_step_flops
@@ -54,12 +59,13 @@ def train_one(cfg, S, kind, compiled):
         from fast.flex import use_flex
 
         use_flex(model)
+    size = re.search(r", (\d+) x (\d+)", kind)  # rows x tokens, else the config's micro-batch x RUN's
+    rows, T = (int(size[1]), int(size[2])) if size else (S.micro_batch_size, common.RUN.row_tokens)
     kind = kind.split(",")[0].replace(" flex", "")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     g = torch.Generator().manual_seed(0)
-    T = common.RUN.row_tokens
-    ids = torch.randint(0, 150000, (S.micro_batch_size, T), generator=g).to(common.RUN.device)
+    ids = torch.randint(0, 150000, (rows, T), generator=g).to(common.RUN.device)
     labels = ids.clone()
     labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
     N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
