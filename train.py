@@ -49,7 +49,7 @@ from model import Qwen2, Qwen2Config, init_weights
 from settings import RESUME_FREE, Settings, parse_settings
 from util.atomic import recover_dir, replace_dir, write_json
 from util.files import USER_ERRORS, error_line
-from util.memory import memory_parts
+from util.memory import memory_parts, needs_checkpointing
 from util.precision import autocast, choose_dtype, dtype_name, weight_dtype
 from util.runlog import STAGES, RunLog, plot_losses
 
@@ -363,12 +363,16 @@ def build_model(r, state):
     eos_ids += cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     r.eos_ids = [e for e in dict.fromkeys(eos_ids) if e is not None]
     model.to(r.device, weight_dtype(dtype))
-    model.gradient_checkpointing = S.gradient_checkpointing
+    static = static_step(S)
+    model.gradient_checkpointing = S.gradient_checkpointing or needs_checkpointing(cfg, S, r.world, static)
     r.say(f"model: {model.num_params() / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, vocab "
           f"{cfg.vocab_size}; {len(data['train']['offsets']) - 1} train rows; {r.world} process(es) on "
           f"{r.device}, {dtype_name(dtype)} ({why})")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
-        r.say(memory_report(cfg, replace(S, dtype=dtype_name(dtype)), r.world))
+        ran = replace(S, dtype=dtype_name(dtype), gradient_checkpointing=model.gradient_checkpointing)
+        r.say(memory_report(cfg, ran, r.world, static))
+        if model.gradient_checkpointing and not S.gradient_checkpointing:
+            r.say(f"gradient checkpointing: on, the estimate without it exceeds gpu_mem_gb={S.gpu_mem_gb:g}")
     if S.freeze_vocab and not cfg.tie_word_embeddings:
         model.lm_head.weight.requires_grad_(False)  # keep_mask_row does the embedding
     r.model, r.net, r.amp = model, StageLoss(model, S, special["mask"]), autocast(r.device, dtype)
@@ -399,8 +403,8 @@ def build_model(r, state):
         r.runner = DistributedDataParallel(r.runner, device_ids=ids_)
 
 
-def memory_report(cfg, S, world):
-    parts = memory_parts(cfg, S, world)
+def memory_report(cfg, S, world, static=False):
+    parts = memory_parts(cfg, S, world, static)
     total = sum(parts.values())
     verdict = f"{'fits' if total <= S.gpu_mem_gb * 2**30 else 'does NOT fit'} in {S.gpu_mem_gb:g} GiB"
     return ("estimated peak memory per process, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in

@@ -54,11 +54,12 @@ def test_settings_overrides_and_errors(tmp_path):
 # ----------------------------------------------------------------------------- (2) named configs
 def test_named_configs(tmp_path):
     """default.json is the defaults of train.py (python train.py == the default config); the
-    0.5B config fits one 24 GB GPU by estimate_memory, and would not without checkpointing."""
+    0.5B config fits one 24 GB GPU by estimate_memory without gradient checkpointing, so train.py
+    leaves it off (util.memory.needs_checkpointing), and turns it on for a 16 GB card."""
     assert parse_settings(["--config", str(REPO / "configs/default.json")]) == Settings()
     small = parse_settings(["--config", str(REPO / "configs/qwen2.5-0.5b-24gb.json")])
     big = parse_settings(["--config", str(REPO / "configs/qwen2.5-7b-multigpu.json")])
-    assert small.gradient_checkpointing and small.dtype == "bfloat16" and small.block_size == 4
+    assert not small.gradient_checkpointing and small.dtype == "bfloat16" and small.block_size == 4
     assert small.batch_size == 384 and small.lr == 5e-6 and small.max_len == 512 and small.epochs == 5
     assert big.fsdp and big.batch_size == 384
     q05 = Qwen2Config()  # the defaults are Qwen2.5-0.5B's geometry
@@ -66,9 +67,14 @@ def test_named_configs(tmp_path):
         n = Qwen2(q05).num_params()
     assert 490e6 < n < 500e6  # Qwen2.5-0.5B: 494M
     assert memory.memory_parts(q05, small)["weights"] == 4 * n  # fp32 master weights
-    assert 16 * n < memory.estimate_memory(q05, small) <= 24e9
-    no_ckpt = replace(small, gradient_checkpointing=False)
-    assert memory.estimate_memory(q05, no_ckpt) > memory.estimate_memory(q05, small) + 4e9
+    assert 16 * n < memory.estimate_memory(q05, small) <= 24 * 2**30
+    ckpt = replace(small, gradient_checkpointing=True)
+    assert memory.estimate_memory(q05, small) > memory.estimate_memory(q05, ckpt) + 4e9
+    assert not memory.needs_checkpointing(q05, small)  # 24 GB: it fits without
+    assert memory.needs_checkpointing(q05, replace(small, gpu_mem_gb=16))  # 16 GB: it does not
+    assert not memory.needs_checkpointing(q05, replace(ckpt, gpu_mem_gb=16))  # already on: nothing to turn on
+    # the static step's chunked head (compile=true) holds one chunk of logits, not the targets'
+    assert memory.estimate_memory(q05, small, static=True) < memory.estimate_memory(q05, small) - 1.5 * 2**30
 
 
 # ----------------------------------------------------------------------------- (3) batch order
