@@ -38,8 +38,8 @@ def page(out):
             f"gradient checkpointing unless the row says not (estimate for {t['config']}: "
             f"{t['estimate_GiB']:.1f} GiB)",
             "",
-            "| loss | compiled | ms/step | model TFLOP | MFU | x AR (same kind) | peak GiB |",
-            "|---|---|---|---|---|---|---|",
+            "| loss | compiled | ms/step | model TFLOP | MFU | x AR (same kind) | peak GiB | estimate GiB |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         ar = {(r["loss"], r["compiled"]): r["ms"] for r in t["rows"] if r["loss"].startswith("AR")}
         lines += [
@@ -48,6 +48,7 @@ def page(out):
             + (f"{r['ms'] / ar[ar_kind(r), r['compiled']]:.2f} | " if (ar_kind(r), r["compiled"]) in ar
                else "- | ")
             + (f"{r['peak_GiB']:.2f} |" if r["peak_GiB"] is not None else "- |")
+            + (f" {r['estimate_GiB']:.2f} |" if r.get("estimate_GiB") is not None else " - |")
             for r in t["rows"]
         ]
     m = out.get("main")

@@ -3,6 +3,7 @@ fast/train.py's static step, eager and compiled), its model FLOPs, MFU and peak 
 util/memory.py's estimate for configs/qwen2.5-0.5b-24gb.json."""
 
 import re
+from dataclasses import replace
 
 import torch
 
@@ -51,6 +52,7 @@ def train_one(cfg, S, kind, compiled):
     from fast.train import ar_loss_static, mars_loss_static, static_batch
     from mars import IGNORE, ar_loss, mars_loss, noisy_window
     from util.flops import ar_step_flops, mars_step_flops
+    from util.memory import estimate_memory
 
     model = init_weights(Qwen2(cfg), seed=0).to(common.RUN.device)
     name, flex = kind, "flex" in kind
@@ -99,5 +101,9 @@ def train_one(cfg, S, kind, compiled):
     times = [timed(one_step)[0] for _ in range(common.RUN.timed_steps)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     peak_fl = peak_flops()
+    # util/memory.py's estimate for this step (its formula is MARS's): the +-10 % target's other side
+    shape = replace(S, micro_batch_size=rows, max_len=T, gradient_checkpointing=model.gradient_checkpointing)
+    estimate = estimate_memory(cfg, shape, static=kind == "MARS static") / 2**30 if kind.startswith("MARS") \
+        else None
     return dict(loss=name, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
-                mfu=None if peak_fl is None else flops / min(times) / peak_fl)
+                mfu=None if peak_fl is None else flops / min(times) / peak_fl, estimate_GiB=estimate)
