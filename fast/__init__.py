@@ -17,17 +17,21 @@ with its modules):
   argmax.py     the greedy argmax by block maxima (torch's CPU argmax is not vectorised); installed
                 as sampling.argmax for the whole process (the same answer: proven)
 
-  loop.py       greedy AR and the τ window with the whole step on the device (issue 49's first
-                pieces): forward, head, the τ rule, EOS/budget cut and cache update in one
-                function, compiled whole, the host reading one flag every few steps
+  loop.py       AR, the τ window and exact mode with the whole step on the device (issue 49):
+                forward, head, pick, the acceptance, EOS/budget cut and cache update in one
+                function, compiled whole, the host reading the device once every few steps
+                (generate.py --device-loop)
+  sample.py     sampling on the device: counter-based uniforms, the inverse CDF, speculative
+                acceptance
 
 For training (issue 50; train.py uses fast.train under compile=true):
 
   train.py      the static MARS step: rows and the noisy window bucketed on the host, the loss
                 over every output with its target or the ignore index (no nonzero, no sync)
   loss.py       linear + cross-entropy in row chunks: the logits never held whole
-  flex.py       the two-stream mask as a FlexAttention mask_mod (for a GPU; not yet wired into
-                training: on the CPU flex_attention has no backward)
+  flex.py       the two-stream mask as a FlexAttention mask_mod and BlockMask, the attention
+                module that runs it (train.py --flex_attention=true: CUDA only, flex has no
+                backward on the CPU; not yet run on a GPU)
 
 The decoders are the reference's (generate.py, exact.py): they call model.hidden, model.new_cache
 and sampling.argmax, and these are what the engine replaces. What it must keep, and where it

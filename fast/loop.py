@@ -5,7 +5,7 @@ EOS/budget cut and the cache update between forwards, in Python, reading the kep
 to the host every step: on a GPU each read drains the device before the next step can launch.
 Here a batch's state lives on the device (`State`: the static cache, the next forward's real
 tokens, an output buffer, the finished flags, τ, the EOS ids, the budget, the random numbers'
-seeds and step counter), allocated once per shape and reused by every request of that shape,
+seeds and step counter), allocated once per shape and reused by the requests of that shape,
 and one function does a whole step on it, in place:
 
   ar_step      forward the pending token; the head on that row; the pick; EOS/budget cut;
@@ -13,15 +13,19 @@ and one function does a whole step on it, in place:
   window_step  forward [pending | B masks] (2B wide); the τ rule on the device (`keep`, τ a
                tensor: a new τ is no new graph); commit the pending tokens; the kept ones
                are the next pending tokens (generate.window_steps)
-  exact_step   forward [c_0, d_1..d_K | G_0 .. G_K] ((1+K)^2 wide); the greedy verification
-               (sampling.greedy_accept); emit; commit c_0, d_1..d_a; the group G_a gives the
-               next drafts (exact.exact_steps at temperature 0)
+  exact_step   forward [c_0, d_1..d_K | G_0 .. G_K] ((1+K)^2 wide); the verification (greedy:
+               sampling.greedy_accept; sampled: fast.sample.speculative); emit; commit c_0,
+               d_1..d_a; the group G_a gives the next drafts (exact.exact_steps)
 
 Compiled whole (`torch.compile(step, fullgraph=True)`), a step is one graph; the host replays
-it `chunk` steps at a time and reads one flag (are all rows done?) after each chunk. A finished
-row keeps stepping, masked: it emits and commits nothing. Sampling draws with counter-based
-random numbers (fast/sample.py: a hash of the row's seed, the step and the position), so a graph
-replays with no generator state; exact mode samples by fast.sample.speculative.
+it `chunk` steps at a time and then reads the device once (`steps`: the new output columns,
+each step's emitted counts, the finished flags), yielding the reference's decoding.Steps. A
+finished row keeps stepping, masked: it emits and commits nothing. A State serves a shape: a
+new request within it (other prompts, budget, up to EOS_SLOTS EOS ids, τ, seed) is no new
+graph; a request past its cache's 512-slot blocks is a new State and a new graph. Sampling
+draws with counter-based random numbers (fast/sample.py: a hash of the row's seed, the step and
+the position), so a graph replays with no generator state; exact mode samples by
+fast.sample.speculative.
 
 What they must equal: generate.generate_ar, generate.generate and exact.generate_exact, token
 for token (greedy; ragged prompts, EOS in the middle of a chunk, several τ and K), and a
@@ -31,26 +35,28 @@ step (the same tests run steps on the meta device, where every read-back raises)
 """
 
 import weakref
+from collections import OrderedDict
 
 import torch
 
-from decoding import Step, collect, logits_at, pad_rows
+from decoding import Step, check_request, collect, logits_at, pad_rows
 from exact import check_exact, step_layout
 from fast.attention import round_up
 from fast.cache import KEY_BLOCK, FastCache
-from fast.sample import candidates, counter_uniforms, draw, speculative
+from fast.sample import candidates, counter_uniforms, draw, probs_of, speculative
 from fast.step import compiled
 from model import Qwen2
-from sampling import GREEDY, confidence, confident, greedy_accept, pick, processed_probs, sample_drafts
+from sampling import GREEDY, confidence, confident, greedy_accept, pick, sample_drafts
 
 EOS_SLOTS = 8  # EOS ids a State holds (-1 padded); more make a wider buffer (a new graph)
+MAX_STATES = 4  # States kept per model (each holds a static KV cache); the least recently used goes
 HISTORY = 64  # steps a State remembers the emitted counts of: a chunk is at most HISTORY - 1 steps
-_STATES = weakref.WeakKeyDictionary()  # model -> {shape: State}
+_STATES = weakref.WeakKeyDictionary()  # model -> OrderedDict {(kind, shape): State}, most recent last
 
 
 class State:
-    """A batch's decoding state on the device, allocated once per (batch size, cache slots,
-    step width, B, dtype) and reused by every request of that shape (`start`), so a compiled
+    """A batch's decoding state on the device, allocated once per (decoder, batch size, cache
+    slots, step width, B, dtype) and reused by the requests of that shape (`start`), so a compiled
     step sees the same tensors every request (and a CUDA graph the same addresses):
 
       cache          a static FastCache: k, v (layers, N, kv heads, slots, head dim), lengths (N,)
@@ -59,7 +65,8 @@ class State:
       out, n_out     the emitted tokens (N, slots + B) and their count per row (N,)
       done           (N,) bool: an EOS id kept or the budget reached
       eos, max_new   the EOS ids (-1 padded), the budget (a 0-d tensor: no new graph per budget)
-      tau            () float32: the τ of the window (1.0 elsewhere)
+      tau            () float64: the τ of the window (1.0 elsewhere); `confident` compares the
+                     float32 probabilities with it in float32, as the reference does
       seeds, step    (N,) seed + b and () the forwards so far: the sampler's counter
       history        (HISTORY, N): the tokens each row emitted at step s, in row s % HISTORY,
                      so the host splits a chunk's output into its steps (`steps`)
@@ -72,9 +79,10 @@ class State:
         z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
         self.tok, self.n_tok = z(N, B), z(N)
         self.out, self.n_out, self.done = z(N, slots + B), z(N), z(N, dtype=torch.bool)
-        self.eos, self.max_new, self.tau = z(EOS_SLOTS), z(()), z((), dtype=torch.float32)
+        self.eos, self.max_new, self.tau = z(EOS_SLOTS), z(()), z((), dtype=torch.float64)
         self.seeds, self.step, self.history = z(N), z(()), z(HISTORY, N)
         self.sampling, self.mask_id, self.threshold = GREEDY, 0, 0.0
+        self.first, self.tau_value = 0, 1.0  # the request's first step (its prefill's), τ as given
         self.offsets = self.mask = self.q = None  # exact mode's layout; its drafts' q when sampling
         if device.type == "cuda":  # a CUDA graph updates these very tensors in place
             for t in (self.tok, self.n_tok, self.out, self.n_out, self.done, self.eos, self.max_new,
@@ -82,22 +90,29 @@ class State:
                 torch._dynamo.mark_static_address(t)
 
 
-def start(model, rows, lengths, B, width, max_new_tokens, eos_ids=(), tau=1.0, sampling=GREEDY, mask_id=0):
+def start(model, kind, rows, lengths, B, width, max_new_tokens, eos_ids=(), tau=1.0, sampling=GREEDY,
+          mask_id=0, first_step=0):
     """A request's State (its shape's, reset) and its eager first forward, the prefill: rows
     (each a prompt, then what the decoder's first forward holds after it) forwarded and the
     prompts (`lengths`) committed -> the state and the logits (N, B, V) at the last prompt
-    token and the B-1 positions after it. width: the widest step (sizes the cache)."""
+    token and the B-1 positions after it. kind: the decoder ("ar", "window", "exact"; a State
+    serves one); width: the widest step (sizes the cache); first_step: the sampler's counter at
+    the prefill (a chat's replies go on counting)."""
     N, p = len(rows), model.lm_head.weight
     slots = round_up(max(lengths) + max_new_tokens + width, KEY_BLOCK)  # whole key blocks
-    states = _STATES.setdefault(model, {})
-    key = (N, slots, width, B, p.dtype, p.device)
-    st = states.get(key) or states.setdefault(key, State(model, N, slots, width, B))
+    states = _STATES.setdefault(model, OrderedDict())
+    key = (kind, N, slots, width, B, p.dtype, p.device)
+    st = states.pop(key, None) or State(model, N, slots, width, B)
+    states[key] = st  # the most recent last; the least recently used goes past MAX_STATES
+    while len(states) > MAX_STATES:
+        states.popitem(last=False)
     eos = sorted(eos_ids)
     if len(eos) > st.eos.numel():
         st.eos = torch.zeros(len(eos), dtype=torch.long, device=p.device)
     st.eos.fill_(-1)[: len(eos)] = torch.tensor(eos, dtype=torch.long)
-    st.n_out.zero_(), st.done.zero_(), st.step.zero_(), st.cache.lengths.zero_()
+    st.n_out.zero_(), st.done.zero_(), st.step.fill_(first_step), st.cache.lengths.zero_()
     st.max_new.fill_(max_new_tokens), st.tau.fill_(tau)
+    st.first, st.tau_value = first_step, tau
     st.seeds.copy_(sampling.seed + torch.arange(N))
     st.sampling, st.mask_id, st.cache.commits, st.cache.T = sampling, mask_id, 0, None
     lens = torch.tensor(lengths, device=p.device)
@@ -191,7 +206,7 @@ def exact_step(model, st):
         a, bonus = greedy_accept(t, d, st.n_tok)
         emitted = t
     else:
-        p = processed_probs(logits[:, :K1], st.sampling)
+        p = probs_of(logits[:, :K1], st.sampling)
         a, bonus = speculative(p, st.q, d, st.n_tok, u[:, :K1])
         emitted = torch.cat([d, bonus[:, None]], 1).scatter(1, a[:, None], bonus[:, None])  # d_1..d_a, bonus
     emit(st, emitted, a + 1)
@@ -211,7 +226,7 @@ def next_drafts(st, logits, u):
     top, n, _ = sample_drafts(logits, GREEDY, None, st.threshold)
     if st.sampling.greedy:
         return top, n
-    q = processed_probs(logits, st.sampling)
+    q = probs_of(logits, st.sampling)
     st.q.copy_(q)
     return draw(q, u), n
 
@@ -220,35 +235,49 @@ def next_drafts(st, logits, u):
 def steps(model, st, step, chunk, knob=None):
     """The host loop, as a generator of decoding.Step (what the reference decoders yield, so
     decoding.collect and the chat's streaming read it unchanged): replay step(model, st) `chunk`
-    times, then one read of the device (the output buffer, the emitted counts of the chunk's
-    steps, the step counter and the finished flags, together), and yield the chunk's steps one by
-    one, each with the tokens its rows emitted and the forwards so far; the prefill's is the
-    first. knob: a decoding.Knob whose τ is read before every chunk (the chat's /tau)."""
+    times, then one read of the device (the output columns the chunk can have written, the
+    emitted counts of its steps, the step counter and the finished flags, together), and yield
+    the chunk's steps one by one, each with the tokens its rows emitted and the forwards so far;
+    the prefill's is the first, and the last is the one in which the last row finished (the
+    masked steps after it in its chunk are not told). knob: a decoding.Knob whose τ is read
+    before every chunk (the chat's /tau). -> (its return value) the sampler's next step."""
     if not 1 <= chunk < HISTORY:
         raise ValueError(f"chunk must be in [1, {HISTORY - 1}], got {chunk}")
-    N, width, told, seen = st.n_out.shape[0], st.out.shape[1], 0, [0] * st.n_out.shape[0]
-    tau = float(st.tau)  # the prefill's (start set it; the reference's Step.tau)
+    N, B, width = st.n_out.shape[0], st.tok.shape[1], st.out.shape[1]
+    told, seen, tau = st.first, [0] * N, st.tau_value
     while True:
-        host = torch.cat([st.out.flatten(), st.history.flatten(), st.step.view(1), st.done.long()]).tolist()
-        out = [host[b * width:(b + 1) * width] for b in range(N)]
-        history, last, done = host[N * width:-N - 1], host[-N - 1], host[-N:]
+        # a step emits <= B tokens a row: the columns from the fewest seen on hold all new ones
+        lo = min(seen)
+        hi = min(width, max(seen) + (last_read_steps(st, told, chunk) + 1) * B)
+        host = torch.cat([st.out[:, lo:hi].flatten(), st.history.flatten(), st.step.view(1),
+                          st.done.long()]).tolist()
+        w = hi - lo
+        out = [host[b * w:(b + 1) * w] for b in range(N)]
+        history, last, done = host[N * w:-N - 1], host[-N - 1], host[-N:]
         counts = {s: history[(s % HISTORY) * N:(s % HISTORY + 1) * N] for s in range(told, last + 1)}
         # a live row emits at every step, a finished one never again: a row done now finished at
         # the last of these steps in which it emitted (or before them)
         final = [max((s for s in counts if counts[s][b] > 0), default=-1) for b in range(N)]
-        for s, k in counts.items():  # the steps not yet told, 0 the prefill
-            tokens = [out[b][seen[b]:seen[b] + k[b]] for b in range(N)]
+        end = max(final) if all(done) else last  # nothing happens after the last row finished
+        for s in range(told, end + 1):  # the steps not yet told (st.first: the prefill)
+            k = counts[s]
+            tokens = [out[b][seen[b] - lo:seen[b] - lo + k[b]] for b in range(N)]
             seen = [a + n for a, n in zip(seen, k)]
             finished = [bool(done[b]) and s >= final[b] for b in range(N)]
-            yield Step(tokens, finished, s + 1, tau)
+            yield Step(tokens, finished, s - st.first + 1, tau)
         told = last + 1
         if all(done):
-            return
+            return told
         if knob is not None:
             tau = knob.tau
             st.tau.fill_(tau)
         for _ in range(chunk):
             step(model, st)
+
+
+def last_read_steps(st, told, chunk):
+    """Steps the next read covers: the prefill alone at the first read, then a chunk."""
+    return 0 if told == st.first else chunk
 
 
 def run(model, st, step, chunk):
@@ -263,23 +292,27 @@ def check_device_sampling(sampling):
 
 
 # ---------------------------------------------------------------- requests
-def begin_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY):
+def begin_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, first_step=0):
     """An AR request's State after its prefill (its first token emitted)."""
+    check_request(model, prompts, 1, 1.0, max_new_tokens)
     check_device_sampling(sampling)
     lengths = [len(q) for q in prompts]
-    st, logits = start(model, prompts, lengths, 1, 1, max_new_tokens, eos_ids, 1.0, sampling)
+    st, logits = start(model, "ar", prompts, lengths, 1, 1, max_new_tokens, eos_ids, 1.0, sampling,
+                       first_step=first_step)
     c, _ = keep(st, logits)
     st.tok.copy_(c)
     return st
 
 
-def begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), sampling=GREEDY):
+def begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_ids=(), sampling=GREEDY,
+                 first_step=0):
     """A τ-window request's State after its prefill [prompt | B masks] (generate.window_steps')."""
+    check_request(model, prompts, block_size, tau, max_new_tokens, mask_id)
     check_device_sampling(sampling)
     B = block_size
     rows = [q + [mask_id] * B for q in prompts]
-    st, logits = start(model, rows, list(map(len, prompts)), B, 2 * B, max_new_tokens, eos_ids, tau, sampling,
-                       mask_id)
+    st, logits = start(model, "window", rows, list(map(len, prompts)), B, 2 * B, max_new_tokens, eos_ids, tau,
+                       sampling, mask_id, first_step)
     c, kept = keep(st, logits)
     st.tok.copy_(c)
     st.n_tok.copy_(kept * ~st.done)
@@ -287,15 +320,16 @@ def begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_i
 
 
 def begin_exact(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), draft_threshold=0.0,
-                block_size=None, sampling=GREEDY):
+                block_size=None, sampling=GREEDY, first_step=0):
     """An exact-mode request's State after its prefill [prompt | G_0] (exact.exact_steps'): c_0
     emitted, the first K drafts (and their q when sampling) in place."""
     K = drafts
+    check_request(model, prompts, block_size or K, 1.0, max_new_tokens, mask_id)
     check_exact(K, block_size or K, draft_threshold)
     check_device_sampling(sampling)
     rows = [q + [mask_id] * K for q in prompts]
-    st, logits = start(model, rows, list(map(len, prompts)), 1 + K, (1 + K) ** 2, max_new_tokens, eos_ids,
-                       1.0, sampling, mask_id)
+    st, logits = start(model, "exact", rows, list(map(len, prompts)), 1 + K, (1 + K) ** 2, max_new_tokens,
+                       eos_ids, 1.0, sampling, mask_id, first_step)
     st.threshold = draft_threshold
     st.offsets, st.mask = step_layout(K, K, st.tok.device)
     N, V = len(prompts), logits.shape[-1]
@@ -303,11 +337,11 @@ def begin_exact(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), dra
         st.q = torch.zeros(N, K, V, device=logits.device)  # the drafts' distributions
         if st.q.is_cuda:
             torch._dynamo.mark_static_address(st.q)
-    u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # step 0: the same positions as exact_step's
+    u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # the prefill's step: exact_step's positions
     if sampling.greedy:
         c0 = pick(logits[:, :1], GREEDY)[:, 0]
     else:
-        c0 = draw(processed_probs(logits[:, 0], sampling), u[:, K])
+        c0 = draw(probs_of(logits[:, 0], sampling), u[:, K])
     emit(st, c0[:, None], torch.ones_like(c0))  # c_0, the AR token after the prompt
     d, n = next_drafts(st, logits[:, 1:], u[:, K + 1:])
     st.tok.copy_(torch.cat([c0[:, None], d], 1))
@@ -349,7 +383,7 @@ def device_decoder(model, *, block_size, max_new_tokens, mask_id, eos_ids=(), ex
     knob), a generator of decoding.Step (the τ window, AR at τ >= 1, or exact mode), every step
     compiled whole once per shape (fast.step.compiled: CUDA graphs on a GPU, inductor on the
     CPU), one read of the device every `chunk` steps, τ read from the knob before every chunk."""
-    device, fns = model.lm_head.weight.device, {}
+    device, fns, stream = model.lm_head.weight.device, {}, {"step": 0}
 
     def step_of(fn):
         if fn not in fns:
@@ -358,12 +392,17 @@ def device_decoder(model, *, block_size, max_new_tokens, mask_id, eos_ids=(), ex
 
     @torch.no_grad()
     def decode(prompts, knob):
-        s = knob.sampling
+        # the session's random numbers go on across replies (the reference's generators do); a
+        # knob without generators (a new session, or the chat's /seed) starts them from step 0
+        if knob.generators is None:
+            stream["step"], knob.generators = 0, []  # [] marks the session's stream begun
+        s, first = knob.sampling, stream["step"]
         if exact:
             st = begin_exact(model, prompts, drafts or block_size, max_new_tokens, mask_id, eos_ids,
-                             draft_threshold, block_size, s)
-            yield from steps(model, st, step_of(exact_step), chunk)
+                             draft_threshold, block_size, s, first)
+            stream["step"] = yield from steps(model, st, step_of(exact_step), chunk)
         else:
-            st = begin_window(model, prompts, block_size, knob.tau, max_new_tokens, mask_id, eos_ids, s)
-            yield from steps(model, st, step_of(window_step), chunk, knob)
+            st = begin_window(model, prompts, block_size, knob.tau, max_new_tokens, mask_id, eos_ids, s,
+                              first)
+            stream["step"] = yield from steps(model, st, step_of(window_step), chunk, knob)
     return decode

@@ -11,7 +11,8 @@ request is reproducible from its seed, and a row's draws do not depend on the ot
 
   counter_uniforms(seeds, step, n)   (N,) seeds, () step -> (N, n) uniforms in (0, 1)
   draw(probs, u)                     inverse CDF: the token whose cumulative interval holds u
-  candidates(logits, s, seeds, step) the argmax at temperature 0, else draw(processed_probs, u)
+  probs_of(logits, s)                processed_probs, NaN rows (overflowing temperatures) one-hot
+  candidates(logits, s, seeds, step) the argmax at temperature 0, else draw(probs_of, u)
   speculative(p, q, d, n, u)         exact mode's speculative acceptance (sampling.speculative_accept)
 
 The hash is `mix32`, Chris Wellons's "lowbias32" finaliser, on 32-bit words held in int64 with
@@ -58,10 +59,23 @@ def counter_uniforms(seeds, step, n):
 def draw(probs, u):
     """One token per distribution by the inverse CDF: probs (..., V), u (...) in (0, 1) -> the
     first token whose float64 cumulative sum exceeds u times the total (a token of probability
-    0 is never drawn: its interval is empty)."""
+    0 is never drawn: its interval is empty). probs that are no distribution (NaN: `probs_of`
+    prevents it) still give a token inside the vocabulary, its largest finite entry's."""
     cdf = probs.double().cumsum(-1)
     x = (u * cdf[..., -1]).unsqueeze(-1)  # < the total, so some token's interval holds it
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    token = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    broken = ~torch.isfinite(cdf[..., -1]) | (cdf[..., -1] <= 0)
+    return torch.where(broken, probs.nan_to_num(nan=-1.0).argmax(-1), token)
+
+
+def probs_of(logits, s):
+    """sampling.processed_probs, except that a row which is no distribution (a temperature so
+    small that logits / temperature overflow float32: NaN) is the one-hot of its argmax, the
+    limit temperature 0. The reference's torch.multinomial raises there; a graph cannot."""
+    probs = processed_probs(logits, s)
+    broken = ~torch.isfinite(probs.sum(-1, keepdim=True))
+    one_hot = torch.zeros_like(probs).scatter_(-1, pick(logits, GREEDY)[..., None], 1.0)
+    return torch.where(broken, one_hot, probs)
 
 
 def candidates(logits, s, seeds, step):
@@ -71,7 +85,7 @@ def candidates(logits, s, seeds, step):
     if s.greedy:
         return pick(logits, GREEDY)
     N, n, _ = logits.shape
-    return draw(processed_probs(logits, s), counter_uniforms(seeds, step, n))
+    return draw(probs_of(logits, s), counter_uniforms(seeds, step, n))
 
 
 def speculative(p, q, d, n, u):

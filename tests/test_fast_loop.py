@@ -66,9 +66,9 @@ def test_a_request_reuses_its_shapes_state(pair):
     request's keys past every row's length: masked, the tokens are still the reference's)."""
     ref, eos, engine = pair
     long = [[1] * 30, [2] * 25, [3] * 28]
-    first, _ = start(engine, long, [30, 25, 28], 1, 1, 20)
+    first, _ = start(engine, "ar", long, [30, 25, 28], 1, 1, 20)
     generate_ar_device(engine, long, 20)
-    second, _ = start(engine, PROMPTS, [3, 6, 1], 1, 1, 20)
+    second, _ = start(engine, "ar", PROMPTS, [3, 6, 1], 1, 1, 20)
     assert second is first and second.cache.k is first.cache.k
     assert generate_ar_device(engine, PROMPTS, 20) == generate_ar(ref, PROMPTS, 20)
 
@@ -252,3 +252,73 @@ def test_generate_py_device_loop_gives_the_references_replies(tmp_path, capsys, 
     assert reply(*sampled) == reply(*sampled) != reply("--tau", "1")
     assert generate.main(base + ["--device-loop", "--cache", "block"]) == 2
     assert "--device-loop decodes with --cache window" in capsys.readouterr().err
+
+
+def test_the_streamed_steps_are_the_references_with_chunks_of_8(pair, eager_compile):
+    """With chunks of 8 the device decoder yields the reference's steps, no more: the masked
+    steps after the last row finished (in the last chunk) are not told, so the chat's count of
+    forwards is the reference's."""
+    from decoding import Knob
+    from fast.loop import device_decoder
+    from generate import mars_decode
+
+    ref, eos, engine = pair
+    for tau, prompts, n in ((0.5, PROMPTS, 20), (1.0, [[1, 2, 3]], 5)):
+        want = [(s.tokens, s.done, s.forwards, s.tau) for s in mars_decode(
+            ref, prompts, block_size=4, tau=Knob(tau), max_new_tokens=n, mask_id=MASK, eos_ids=eos,
+            cache="window")]
+        decode = device_decoder(engine, block_size=4, max_new_tokens=n, mask_id=MASK, eos_ids=eos, chunk=8)
+        assert [(s.tokens, s.done, s.forwards, s.tau) for s in decode(prompts, Knob(tau))] == want
+
+
+def test_a_device_request_is_checked_as_the_references(pair):
+    ref, eos, engine = pair
+    for prompts, n, what in (([[]], 5, "prompt 0 is empty"), ([[1, 999]], 5, "outside the vocabulary"),
+                             ([[1, 2]], 0, "max_new_tokens must be >= 1")):
+        for run in (lambda p, n: generate_ar_device(engine, p, n), lambda p, n: generate_ar(ref, p, n),
+                    lambda p, n: generate_window_device(engine, p, 4, 0.5, n, MASK),
+                    lambda p, n: generate_exact_device(engine, p, 2, n, MASK)):
+            with pytest.raises(ValueError, match=what):
+                run(prompts, n)
+
+
+def test_a_chats_sampled_replies_go_on_drawing_and_seed_starts_over(pair, eager_compile):
+    """As the reference's session generators: the same knob's second reply draws new numbers;
+    the chat's /seed (knob.generators = None) starts the stream again."""
+    from decoding import Knob
+    from fast.loop import device_decoder
+    from sampling import Sampling
+
+    ref, eos, engine = pair
+    decode = device_decoder(engine, block_size=4, max_new_tokens=12, mask_id=MASK)
+    knob = Knob(1.0, Sampling(temperature=1.5, seed=3))
+    reply = lambda: [t for s in decode([[1, 2, 3]], knob) for t in s.tokens[0]]
+    first, second = reply(), reply()
+    assert first != second
+    knob.generators = None
+    assert reply() == first
+
+
+def test_states_are_few(pair):
+    """At most MAX_STATES States (each a static KV cache) per model: the least recently used goes."""
+    import fast.loop
+
+    ref, eos, engine = pair
+    for n in (20, 600, 1200, 1800, 2400, 3000):  # each a cache of other 512-slot blocks
+        generate_ar_device(engine, [[1, 2]], 1)  # a budget of one: the prefill alone
+        start(engine, "ar", [[1, 2]], [2], 1, 1, n)
+    assert len(fast.loop._STATES[engine]) == fast.loop.MAX_STATES
+
+
+def test_an_overflowing_temperature_draws_the_argmax_inside_the_vocabulary():
+    """logits / 1e-40 overflow float32 (processed_probs is NaN there; the reference's multinomial
+    raises): the device sampler draws the argmax, the limit temperature 0, never a token past V."""
+    from fast.sample import candidates, draw
+    from sampling import Sampling
+
+    logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0))
+    got = candidates(logits, Sampling(temperature=1e-40), torch.arange(3), torch.tensor(5))
+    assert torch.equal(got, logits.argmax(-1))
+    nan = torch.full((4, 50), float("nan"))
+    token = draw(nan, torch.full((4,), 0.5, dtype=torch.float64))
+    assert ((token >= 0) & (token < 50)).all()
