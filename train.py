@@ -71,7 +71,7 @@ class StageLoss(nn.Module):
         same loss with fixed shapes and no host sync, compiled whole)."""
         S = self.S
         if window is not None:
-            return self.static_loss(ids, labels, window)
+            return self.static_loss(ids, labels, window, teacher)
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
             loss = ar_loss(self.model, ids, labels, teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
@@ -80,16 +80,16 @@ class StageLoss(nn.Module):
                          noisy_row_weight=row_weight)
 
 
-    def static_loss(self, ids, labels, window):
+    def static_loss(self, ids, labels, window, teacher=None):
         """The stage's loss by fast/train.py's static step (compile=true): the same loss."""
         from fast.train import ar_loss_static, mars_loss_static  # the engine, only when asked for
 
         if self.stage == "ar":
-            loss = ar_loss_static(self.model, ids, labels)
+            loss = ar_loss_static(self.model, ids, labels, teacher=teacher)
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
         S = self.S
         return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
-                                S.bidirectional, flex=S.flex_attention)
+                                S.bidirectional, flex=S.flex_attention, teacher=teacher)
 
 
 def row_t_weights(S, stage, step, slot, n, device):
@@ -187,8 +187,7 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
     acc = torch.zeros(2, dtype=torch.float64, device=device)
     net.train(False)
     for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
-        x, y, _, window = step_batch(val, part, S, special, device)  # the same forwards on every rank
-        teacher = make_teacher(val, part, S, special, device)
+        x, y, _, window, teacher = step_batch(val, part, S, special, device)  # the same on every rank
         with amp:
             n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=device)
             acc += torch.stack([runner(x, y, teacher, None, window)[0].double() * n_part, n_part])
@@ -200,25 +199,30 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
 
 def static_step(S):
     """Whether steps run as fast/train.py's static step, compiled whole: compile=true with the
-    loss it covers (CE on the tokens, no 1/t row weights, the two-stream window as trained by
-    default) and without FSDP (its hooks do not trace into one graph); else the reference loss."""
-    return S.compile and S.ar_target == "tokens" and not S.inv_t_weight and S.two_stream and S.trim_noisy \
-        and not S.fsdp
+    loss it covers (L_AR CE on the tokens or the KL to a teacher, no 1/t row weights, the
+    two-stream window as trained by default) and without FSDP (its hooks do not trace into one
+    graph); else the reference loss."""
+    return S.compile and not S.inv_t_weight and S.two_stream and S.trim_noisy and not S.fsdp
 
 
 def step_batch(d, part, S, special, device):
-    """A micro-batch on `device` -> ids, labels, tokens, window: make_batch's, or for the static
-    step bucketed and its noisy window sized on the host before the copy (static_batch), so the
-    step reads nothing back from the device; window None otherwise."""
+    """A micro-batch on `device` -> ids, labels, tokens, window, teacher: make_batch's and
+    make_teacher's (None without ar_target = "teacher"), or for the static step bucketed, its
+    noisy window sized and its teacher laid out on the outputs on the host before the copy
+    (static_batch, static_teacher), so the step reads nothing back from the device; window None
+    otherwise."""
     if not static_step(S):
-        return *make_batch(d, part, S, special, device), None
-    from fast.train import static_batch  # the engine, only when asked for
+        return *make_batch(d, part, S, special, device), None, make_teacher(d, part, S, special, device)
+    from fast.train import static_batch, static_teacher  # the engine, only when asked for
 
     x, y, n_tok = make_batch(d, part, S, special, "cpu")
     x, y, (start, W) = static_batch(x, y, special["pad"], S.block_size, S.bucket)
+    teacher = make_teacher(d, part, S, special, "cpu")
     pin = device.type == "cuda"  # a copy from pinned memory does not wait for the device
     to = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)
-    return to(x), to(y), n_tok, (to(start), W)
+    if teacher is not None:
+        teacher = {k: to(v) for k, v in static_teacher(teacher, y).items()}
+    return to(x), to(y), n_tok, (to(start), W), teacher
 
 
 def main(argv=None):
@@ -468,8 +472,7 @@ def train_step(r, opt, stage, step):
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
         part = rows[k * mb:(k + 1) * mb]
-        x, y, n_tok, window = step_batch(r.data["train"], part, S, r.special, r.device)
-        teacher = make_teacher(r.data["train"], part, S, r.special, r.device)
+        x, y, n_tok, window, teacher = step_batch(r.data["train"], part, S, r.special, r.device)
         row_weight = row_t_weights(S, stage, step, k, len(part), r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)

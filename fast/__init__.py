@@ -28,7 +28,8 @@ For training (issue 50; train.py uses fast.train under compile=true):
 
   train.py      the static MARS step: rows and the noisy window bucketed on the host, the loss
                 over every output with its target or the ignore index (no nonzero, no sync)
-  loss.py       linear + cross-entropy in row chunks: the logits never held whole
+  loss.py       linear + cross-entropy, and linear + KL to a teacher, in row chunks: the logits
+                never held whole
   flex.py       the two-stream mask as a FlexAttention mask_mod and BlockMask, the attention
                 module that runs it (train.py --flex_attention=true: CUDA only, flex has no
                 backward on the CPU; not yet run on a GPU)

@@ -9,6 +9,11 @@ chunk; the forward keeps the logsumexp of each row (n floats), and the backward 
 chunk's logits once more to form softmax - one-hot. The price: the head's matmul runs twice in
 the forward direction. Proven equal to F.cross_entropy (float64), its gradients included, with
 ignored targets and chunk sizes that do and do not divide the rows (tests/test_fast_loss.py).
+
+`linear_teacher_kl` does the same for L_AR = KL(teacher || model) (mars.teacher_kl, the teacher
+given by its top k and rest mass): the forward keeps two logsumexps a row (of all logits, and of
+those outside the teacher's top k), the backward forms q - t chunk by chunk (t = p on the top k,
+r exp(z - lse_out) off it), proven equal to mars.teacher_kl and its autograd (float64).
 """
 
 import torch
@@ -73,3 +78,62 @@ def linear_cross_entropy(h, weight, targets, chunk=1024):
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return LinearCrossEntropy.apply(h, weight, targets, chunk)
+
+
+class LinearTeacherKL(torch.autograd.Function):
+    """Per-row mars.teacher_kl of (h @ weight.T) against the teacher (p over its top-k ids,
+    rest mass r), chunk rows at a time; rows with keep False give 0 and no gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, t_logp, t_ids, t_rest, keep, chunk):
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        n, wide = h.shape[0], torch.promote_types(dtype, torch.float32)
+        p, r = t_logp.to(wide).exp(), t_rest.to(wide)  # mars.teacher_kl's normalisation of k + 1 masses
+        if t_ids.shape[1] >= weight.shape[0]:  # k = V: nothing outside the top k
+            r = torch.zeros_like(r)
+        total = p.sum(1) + r
+        p, r, ids = p / total[:, None], r / total, t_ids.long()
+        kl, lse, lse_out = (h.new_zeros(n, dtype=wide) for _ in range(3))
+        for i in range(0, n, chunk):
+            c = slice(i, i + chunk)
+            z = _chunk_logits(h[c], weight, dtype)  # (c, V)
+            lse[c] = torch.logsumexp(z, -1)
+            outside = torch.logsumexp(z.scatter(1, ids[c], float("-inf")), -1)  # log of Q's numerator
+            lse_out[c] = torch.where(r[c] > 0, outside, torch.zeros_like(outside))
+            top = (torch.xlogy(p[c], p[c]) - p[c] * (z.gather(1, ids[c]) - lse[c, None])).sum(1)
+            rest = torch.xlogy(r[c], r[c]) - r[c] * (lse_out[c] - lse[c])  # r (log r - log Q)
+            kl[c] = torch.where(keep[c], top + torch.where(r[c] > 0, rest, torch.zeros_like(rest)),
+                                torch.zeros_like(top))
+        ctx.save_for_backward(h, weight, p, ids, r, keep, lse, lse_out)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        h, weight, p, ids, r, keep, lse, lse_out = ctx.saved_tensors
+        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for i in range(0, h.shape[0], ctx.chunk):
+            hc, c = h[i:i + ctx.chunk], slice(i, i + ctx.chunk)
+            z = _chunk_logits(hc, weight, ctx.dtype)
+            q = (z - lse[c, None]).exp()  # the model's softmax, (c, V)
+            off = r[c, None] * (z - lse_out[c, None]).exp()  # r q / Q, (c, V)
+            t = torch.where(r[c, None] > 0, off, torch.zeros_like(off)).scatter(1, ids[c], 0.0)
+            t = t.scatter_add(1, ids[c], p[c])  # p on the top k (a repeated id's p adds up)
+            g = (q - t) * torch.where(keep[c], grad_kl[c], 0)[:, None]  # d KL / d logits
+            if grad_h is not None:  # through the matmul in the forward's dtype, as autograd would
+                grad_h[c] = (g.to(ctx.dtype) @ weight.to(ctx.dtype)).to(h.dtype)
+            if grad_w is not None:
+                grad_w += g.T @ hc.to(g.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def linear_teacher_kl(h, weight, t_logp, t_ids, t_rest, keep, chunk=1024):
+    """mars.teacher_kl(h @ weight.T, t_logp, t_ids, t_rest) per row in float32 (or wider), 0 where
+    keep is False, never holding more than `chunk` rows of logits: h (n, C), weight (V, C), the
+    teacher (n, k), (n, k), (n,), keep (n,) bool."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return LinearTeacherKL.apply(h, weight, t_logp, t_ids, t_rest, keep, chunk)

@@ -18,8 +18,10 @@ Here the same loss is computed with shapes fixed by the batch alone:
 Padding a row with padding (label IGNORE) changes no loss and no gradient (pads come after
 every real token, and a noisy block of pads is read by nothing), nor does a wider window: so
 this is the reference's loss, proven equal with its gradients in float64 (tests/test_fast_train.py).
-What it costs: the head runs on the prompt's outputs too. The L_AR teacher and the 1/t row
-weights stay the reference's (mars_loss).
+What it costs: the head runs on the prompt's outputs too. L_AR may be the KL to a teacher
+(ar_target = "teacher": `static_teacher` lays make_teacher's rows out on the outputs, on the host,
+and fast.loss.linear_teacher_kl takes it in chunks); the 1/t row weights stay the reference's
+(mars_loss).
 """
 
 import math
@@ -27,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fast.loss import linear_cross_entropy
+from fast.loss import linear_cross_entropy, linear_teacher_kl
 from mars import IGNORE, noisy_window, two_stream_window
 
 
@@ -69,11 +71,41 @@ def per_sequence_mean(ce, count):
     return (ce.sum(1) / count.clamp(min=1) * has).sum() / has.sum().clamp(min=1)
 
 
+def static_teacher(teacher, labels):
+    """make_teacher's rows (one per target, mars._targets' order: row by row, left to right) laid
+    out on a static_batch's outputs, on the host: (N*L, k) log-probs and ids, (N*L,) rest mass,
+    output i of row b holding the teacher of its target labels[b, i+1]; an output without a
+    target holds a one-hot teacher at id 0 (finite, and its loss is masked anyway)."""
+    target, _ = targets_of(labels)
+    has = (target != IGNORE).flatten()  # (N*L,): row-major, the order of mars._targets
+    n, k = has.shape[0], teacher["ids"].shape[1]
+    logp = torch.full((n, k), float("-inf"), dtype=teacher["logp"].dtype)
+    logp[:, 0] = 0.0
+    ids = torch.zeros(n, k, dtype=teacher["ids"].dtype)
+    rest = torch.zeros(n, dtype=teacher["rest"].dtype)
+    logp[has], ids[has], rest[has] = teacher["logp"].cpu(), teacher["ids"].cpu(), teacher["rest"].cpu()
+    return {"logp": logp, "ids": ids, "rest": rest}
+
+
+def clean_loss(h, weight, labels, teacher, chunk):
+    """L_AR per output of the clean stream h (N, l, C): CE on its target (§4), or with a
+    static_teacher the KL to it (mars.teacher_kl), 0 where there is no target -> (N, l)."""
+    N, l, C = h.shape
+    target, _ = targets_of(labels)
+    if teacher is None:
+        ce = linear_cross_entropy(h.reshape(-1, C), weight, target.reshape(-1), chunk)
+    else:
+        ce = linear_teacher_kl(h.reshape(-1, C), weight, teacher["logp"], teacher["ids"], teacher["rest"],
+                               (target != IGNORE).reshape(-1), chunk)
+    return ce.view(N, l)
+
+
 def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bidirectional=False,
-                     chunk=1024, flex=False):
+                     chunk=1024, flex=False, teacher=None):
     """mars.mars_loss(..., trim_noisy=True) of a static_batch: (loss, l_mask, l_ar). flex: hand
     the layers a fast.flex.FlexMask (the model's attention swapped by fast.flex.use_flex runs it
-    with flex_attention; a plain Attention reads its dense rows)."""
+    with flex_attention; a plain Attention reads its dense rows). teacher: a static_teacher (L_AR
+    the KL to it, mars_loss's ar_teacher), else CE on the tokens."""
     N, l = ids.shape
     inputs, position_ids, mask, start = two_stream_window(ids, labels, mask_id, block_size, bidirectional,
                                                           window=window)
@@ -90,15 +122,13 @@ def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bid
     l_mask = per_sequence_mean(noisy.view(N, W), count)
     if w == 0:
         return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
-    clean = linear_cross_entropy(h[:, :l].reshape(-1, C), weight, target.reshape(-1), chunk)
-    l_ar = per_sequence_mean(clean.view(N, l), count)
+    l_ar = per_sequence_mean(clean_loss(h[:, :l], weight, labels, teacher, chunk), count)
     return l_mask + w * l_ar, l_mask, l_ar
 
 
-def ar_loss_static(model, ids, labels, chunk=1024):
-    """mars.ar_loss (plain AR SFT, §2) of a static_batch: every output with its target."""
-    N, l = ids.shape
-    h = model.hidden(ids)  # (N, l, C)
-    target, count = targets_of(labels)
-    ce = linear_cross_entropy(h.reshape(-1, h.shape[-1]), model.lm_head.weight, target.reshape(-1), chunk)
-    return per_sequence_mean(ce.view(N, l), count)
+def ar_loss_static(model, ids, labels, chunk=1024, teacher=None):
+    """mars.ar_loss (plain AR SFT, §2) of a static_batch: every output with its target (or its
+    static_teacher's KL)."""
+    _, count = targets_of(labels)
+    ce = clean_loss(model.hidden(ids), model.lm_head.weight, labels, teacher, chunk)
+    return per_sequence_mean(ce, count)

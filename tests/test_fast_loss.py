@@ -72,3 +72,46 @@ def test_under_bf16_autocast_the_backward_recomputes_the_forwards_logits(seed):
     oh = torch.autograd.grad((ours * up).sum(), h)[0]  # outside autocast, as train.py
     assert (ours - ref).abs().max() <= BF16_LOSS_ATOL
     assert (oh - gh).abs().max() <= BF16_GRAD_REL * gh.abs().max()
+
+
+# ---------------------------------------------------------------- L_AR = KL(teacher || model), chunked
+def teacher_rows(n, k, V, seed):
+    """A teacher's top k and rest mass per row (float64), a row with r = 0 (k = V would give it,
+    here its rest mass is dropped) and a row of repeated ids with p 1, 0, .. (an EOS pad's, as
+    data.batches.make_teacher writes it)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.log_softmax(2 * torch.randn(n, V, generator=g, dtype=torch.float64), -1)
+    top = logp.topk(k, -1)
+    t_logp, t_ids, t_rest = top.values.clone(), top.indices.clone(), 1 - top.values.exp().sum(-1)
+    t_rest[1] = 0.0
+    t_logp[2], t_ids[2], t_rest[2] = torch.full((k,), float("-inf")), torch.full((k,), 3), 0.0
+    t_logp[2, 0] = 0.0
+    return t_logp, t_ids, t_rest
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 5, 1024])
+@pytest.mark.parametrize("k", [8, 64])
+def test_chunked_teacher_kl_is_teacher_kl_with_its_gradients(chunk, k):
+    """linear_teacher_kl = mars.teacher_kl on the head's logits, per row, and autograd's
+    gradients through it for h and the weight (float64), with rows carrying no target (keep
+    False: 0, no gradient), chunks that do and do not divide the 7 rows, r = 0 and repeated ids."""
+    from fast.loss import linear_teacher_kl
+    from mars import teacher_kl
+
+    n, C, V = 7, 16, 96
+    g = torch.Generator().manual_seed(k + chunk)
+    h0 = torch.randn(n, C, generator=g, dtype=torch.float64)
+    w0 = torch.randn(V, C, generator=g, dtype=torch.float64)
+    t_logp, t_ids, t_rest = teacher_rows(n, k, V, seed=k)
+    keep = torch.tensor([True, True, True, False, True, True, False])
+    h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    want = torch.where(keep, teacher_kl(h @ w.T, t_logp, t_ids, t_rest), 0)
+    (want * torch.arange(1, n + 1)).sum().backward()  # unequal weights: each row's gradient counts
+    h2, w2 = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+    got = linear_teacher_kl(h2, w2, t_logp, t_ids, t_rest, keep, chunk)
+    (got * torch.arange(1, n + 1)).sum().backward()
+    assert torch.allclose(got, want.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(h2.grad, h.grad, rtol=1e-10, atol=1e-13)
+    assert torch.allclose(w2.grad, w.grad, rtol=1e-10, atol=1e-13)
+    assert (got[~keep] == 0).all() and (h2.grad[~keep] == 0).all()
+    assert (want[keep] > 0).all()  # every kept row has a real KL to match

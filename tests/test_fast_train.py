@@ -183,3 +183,71 @@ def test_the_count_sees_the_reference_steps_read_backs(monkeypatch, data_dir, tm
     reference = reads_per_step(monkeypatch, data_dir, tmp_path, "false")
     assert len(reference) == 4 and all(r.count("nonzero") >= 2 for r in reference), reference
     assert all("__int__" in r for r in reference[2:]), reference
+
+
+@pytest.mark.parametrize("B,lengths,bucket", [(4, (13, 7, 20), 16), (2, (9, 6), 1), (3, (16, 4, 10), 32)])
+def test_static_loss_with_a_teacher_equals_the_reference(B, lengths, bucket):
+    """ar_target = "teacher": the static MARS and AR losses, L_AR the KL to make_teacher-shaped
+    rows laid out by static_teacher, give mars.mars_loss(ar_teacher=...)'s and mars.ar_loss's
+    loss, l_mask, l_ar and every gradient (float64); a teacher shifted by one target differs."""
+    from fast.train import ar_loss_static, static_teacher
+    from mars import IGNORE, ar_loss
+
+    ids, labels = ragged_batch(B, lengths, seed=B)
+    model = tiny_model(0, 2).double()
+    n, k, V = int((labels[:, 1:] != IGNORE).sum()), 8, model.config.vocab_size
+    g = torch.Generator().manual_seed(B)
+    top = torch.log_softmax(2 * torch.randn(n, V, generator=g, dtype=torch.float64), -1).topk(k, -1)
+    teacher = {"logp": top.values, "ids": top.indices, "rest": 1 - top.values.exp().sum(-1)}
+    x, y, window = static_batch(ids, labels, PAD, B, bucket)
+    laid = static_teacher(teacher, y)
+    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, 1.0, trim_noisy=True,
+                                                  ar_teacher=teacher))
+    ours = loss_and_grads(model, lambda: mars_loss_static(model, x, y, window, MASK, B, 1.0, chunk=5,
+                                                          teacher=laid))
+    for a, b in zip(ours[:3], ref[:3]):
+        assert close(a, b, REL64)
+    for key in ref[3]:
+        assert close(ours[3][key], ref[3][key], REL64), key
+    l_ar = ref[2]
+    ar = lambda f: (lambda: (f(), f(), f()))  # noqa: E731  (loss_and_grads takes a triple)
+    ref = loss_and_grads(model, ar(lambda: ar_loss(model, ids, labels, teacher)))
+    ours = loss_and_grads(model, ar(lambda: ar_loss_static(model, x, y, chunk=7, teacher=laid)))
+    assert close(ours[0], ref[0], REL64) and all(close(ours[3][k], ref[3][k], REL64) for k in ref[3])
+    shifted = {key: v.roll(1, 0) for key, v in teacher.items()}
+    other = mars_loss_static(model, x, y, window, MASK, B, 1.0, teacher=static_teacher(shifted, y))
+    assert not close(other[2].detach(), l_ar, 1e-6)
+
+
+def test_train_py_static_step_with_a_teacher_logs_the_references_losses(data_dir, tmp_path, eager_compile):
+    """train.py with ar_target = "teacher" and compile=true runs the static step (the teacher laid out
+    on the host, the chunked KL; dynamo's eager backend here) and logs the reference step's losses
+    (compile=false) within COMPILED_TRAIN_REL, both stages."""
+    import shutil
+
+    import numpy as np
+    from train_run import args, records
+
+    import train
+    from data.prepare import add_teacher, load_npz, save_npz
+
+    teach = tmp_path / "data"
+    shutil.copytree(data_dir, teach)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        d = load_npz(str(teach / f"{split}.npz"))
+        rows = []
+        for i in range(len(d["offsets"]) - 1):
+            n = int(d["loss"][d["offsets"][i]:d["offsets"][i + 1]].sum())
+            logp = np.sort(np.log(rng.dirichlet(np.ones(256), n)), -1)[:, ::-1][:, :8]  # a top 8
+            rows.append((logp, rng.choice(256, (n, 8)), 1 - np.exp(logp).sum(-1)))
+        save_npz(add_teacher(d, rows), str(teach / f"{split}.npz"))
+    logs = {}
+    for on in ("false", "true"):
+        train.main(args(teach, tmp_path / on, "--ar_steps=3", "--mars_steps=3", "--eval_interval=3",
+                        "--log_interval=1", "--n_layer=1", "--ar_target=teacher", f"--compile={on}"))
+        logs[on] = records(tmp_path / on)
+    rel = [abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(logs["true"], logs["false"])
+           for k in ("loss", "l_mask", "l_ar", "val_loss") if b.get(k) is not None]
+    assert len(rel) >= 12 and max(rel) <= COMPILED_TRAIN_REL, max(rel)
+    assert train.static_step(train.parse_settings(["--compile=true", "--ar_target=teacher"]))
