@@ -24,7 +24,7 @@ rewritten after each, so a run cut short keeps what it measured:
             estimate for configs/qwen2.5-0.5b-24gb.json
 
 On a machine without CUDA it says so in one line and exits 0. `--dry-run` runs every section on
-the CPU instead, at a tiny shape (2 layers, width 64, Qwen2.5's vocabulary; 64-token training
+the CPU instead, at a tiny shape (2 layers, width 64, Qwen2.5's vocabulary; 32-token training
 rows; the main job for 2 + 2 steps without its evaluation, and its checkpoint decoding), to
 out/bench_gpu_dry_run.md: the script's own check before GPU time is spent on it
 (tests/test_bench_gpu.py runs it). Its numbers measure nothing.

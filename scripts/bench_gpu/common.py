@@ -37,7 +37,7 @@ GPU_RUN = Run(device="cuda", model="random Qwen2.5-0.5B shape", shape={}, batch_
 DRY_RUN = Run(device="cpu", model="tiny random model (dry run)",
               shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2),
-              batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=64, timed_steps=1,
+              batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=32, timed_steps=1,
               main_flags=["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"],
               toy_tokens=None,  # an untrained toy reaches no EOS: --new-tokens
               big_step=(2, 32))  # the code path, cheaply: Qwen's vocabulary makes the static head slow
