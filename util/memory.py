@@ -32,7 +32,9 @@ def memory_parts(cfg, S, world=1, static=False):
                                    static step of compile=true, fast/loss.py's chunked head):
                                    12*chunk*V + 4*V*h, one chunk's bf16 logits, fp32 softmax
                                    and gradient and bf16 gradient in the backward, and the
-                                   head's fp32 weight gradient before it joins the grads
+                                   head's fp32 weight gradient before it joins the grads; 24*
+                                   chunk*V with the teacher (the KL's backward holds the
+                                   softmax, the target t and their difference besides)
       cuda            1 GiB        CUDA context, allocator slack
     """
     h, kv, i = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
@@ -42,11 +44,11 @@ def memory_parts(cfg, S, world=1, static=False):
     P, s, bf16 = root + L * layer, world if S.fsdp else 1, S.dtype != "float32"
     b, l = S.micro_batch_size, -(-S.max_len // S.block_size) * S.block_size
     a = (32 * h + 4 * kv + 8 * i) * (1 if bf16 else 2)
+    chunked = (24 if S.ar_target == "teacher" else 12) * min(CHUNK, b * 2 * l) * V + 4 * V * h
     return {"weights": 4 * P // s, "grads": 4 * P // s, "adamw": 8 * P // s,
             "lowp": 2 * bf16 * (root + 2 * layer if S.fsdp and world > 1 else P),
             "acts": b * 2 * l * ((L * 4 * h + a) if S.gradient_checkpointing else L * a),
-            "logits": 12 * min(CHUNK, b * 2 * l) * V + 4 * V * h if static else
-            b * l * V * (4 * (2 if S.w_ar > 0 else 1) + 6), "cuda": 2**30}
+            "logits": chunked if static else b * l * V * (4 * (2 if S.w_ar > 0 else 1) + 6), "cuda": 2**30}
 
 
 def estimate_memory(cfg, S, world=1, static=False):
