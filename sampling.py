@@ -11,6 +11,7 @@ decoders (generate.py, exact.py) call these on the logits they read.
   confidence / confident       the number compared with τ (§5.3-4) and the comparison
   sample_drafts(logits, s, gens, threshold)        exact mode's drafts d ~ q and q itself
   speculative_accept(p, q, d, n, gens)             accept d_i w.p. min(1, p/q), left to right
+  speculative_rule(p, q, d, n, u)                  the same, given its uniforms
   greedy_accept(t, d, n)       the same rule at temperature 0, on argmaxes (no one-hot tensors)
 
 Which probability τ is compared with: the RAW softmax of the logits, in float32 (temperature
@@ -208,16 +209,24 @@ def speculative_accept(p, q, d, n, gens):
     N, k = d.shape
     if k == 0:
         return torch.zeros(N, dtype=torch.long, device=d.device), categorical(p[:, 0], gens)
+    a, then = speculative_rule(p, q, d, n, _uniforms(N, k, n, gens, p.device))
+    return a, categorical(then, gens)
+
+
+def speculative_rule(p, q, d, n, u):
+    """speculative_accept given its uniforms u (N, k) in [0, 1), k >= 1 (fast/sample.py draws
+    them from a counter instead of generators) -> a (N,) the accepted drafts, and (N, V) the
+    distribution the next token is drawn from: the residual at the first rejection, else p."""
+    N, k = d.shape
     pd = p[:, :k].gather(-1, d[..., None])[..., 0]  # (N, k): target prob of each draft
     qd = q.gather(-1, d[..., None])[..., 0]  # (N, k): its draft prob
-    u = _uniforms(N, k, n, gens, p.device)  # (N, k) in [0, 1)
     ok = (u * qd < pd) & (torch.arange(k, device=d.device) < n[:, None])  # u < p/q, no 0/0
     a = ok.long().cumprod(1).sum(1)  # (N,): the leading run of accepted drafts
     row = torch.arange(N, device=d.device)
     p_a, q_a = p[row, a], q[row, a.clamp(max=k - 1)]  # (N, V): at the first rejection or after d_n
     residual = (p_a - q_a).clamp(min=0)
     rejected = (a < n) & (residual.sum(-1) > 0)  # p == q to the last bit never rejects; guard anyway
-    return a, categorical(torch.where(rejected[:, None], residual, p_a), gens)
+    return a, torch.where(rejected[:, None], residual, p_a)
 
 
 def greedy_accept(t, d, n):

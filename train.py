@@ -390,16 +390,16 @@ def build_model(r, state):
         fully_shard(r.net, mp_policy=mp)
         r.amp = nullcontext()
     if S.flex_attention:
-        if r.device.type != "cuda" or not static_step(S):
+        if r.device.type != "cuda" or not static:
             raise SystemExit("flex_attention=true needs CUDA and the static step (compile=true, two_stream, "
                              "trim_noisy, no fsdp): FlexAttention has no backward on the CPU")
         from fast.flex import use_flex  # the engine, only when asked for
 
         use_flex(model)
-    if static_step(S):  # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
+    if static:  # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    r.runner = torch.compile(r.net, fullgraph=static_step(S), dynamic=False if static_step(S) else None) \
-        if S.compile else r.net
+    r.runner = torch.compile(r.net, fullgraph=static, dynamic=False if static else None) if S.compile \
+        else r.net
     if r.world > 1 and not S.fsdp:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -246,9 +246,10 @@ def steps(model, st, step, chunk, knob=None):
     N, B, width = st.n_out.shape[0], st.tok.shape[1], st.out.shape[1]
     told, seen, tau = st.first, [0] * N, st.tau_value
     while True:
-        # a step emits <= B tokens a row: the columns from the fewest seen on hold all new ones
+        # a step emits <= B tokens a row, and a read follows the prefill or a chunk: the (chunk
+        # + 1) * B columns from the fewest seen on hold all the new ones
         lo = min(seen)
-        hi = min(width, max(seen) + (last_read_steps(st, told, chunk) + 1) * B)
+        hi = min(width, max(seen) + (chunk + 1) * B)
         host = torch.cat([st.out[:, lo:hi].flatten(), st.history.flatten(), st.step.view(1),
                           st.done.long()]).tolist()
         w = hi - lo
@@ -273,11 +274,6 @@ def steps(model, st, step, chunk, knob=None):
             st.tau.fill_(tau)
         for _ in range(chunk):
             step(model, st)
-
-
-def last_read_steps(st, told, chunk):
-    """Steps the next read covers: the prefill alone at the first read, then a chunk."""
-    return 0 if told == st.first else chunk
 
 
 def run(model, st, step, chunk):
@@ -377,18 +373,19 @@ def generate_exact_device(model, prompts, drafts, max_new_tokens, mask_id, eos_i
     return run(model, st, step, chunk)
 
 
+def compiled_steps(device):
+    """{ar_step, window_step, exact_step: it compiled whole for `device`} (fast.step.compiled:
+    CUDA graphs on a GPU, inductor on the CPU; torch.compile compiles at a function's first call)."""
+    return {f: compiled(f, device, fullgraph=True) for f in (ar_step, window_step, exact_step)}
+
+
 def device_decoder(model, *, block_size, max_new_tokens, mask_id, eos_ids=(), exact=False, drafts=None,
                    draft_threshold=0.0, chunk=8):
     """generate.decoder's counterpart for the command line's --device-loop: -> decode(prompts,
     knob), a generator of decoding.Step (the τ window, AR at τ >= 1, or exact mode), every step
     compiled whole once per shape (fast.step.compiled: CUDA graphs on a GPU, inductor on the
     CPU), one read of the device every `chunk` steps, τ read from the knob before every chunk."""
-    device, fns, stream = model.lm_head.weight.device, {}, {"step": 0}
-
-    def step_of(fn):
-        if fn not in fns:
-            fns[fn] = compiled(fn, device, fullgraph=True)
-        return fns[fn]
+    step, stream = compiled_steps(model.lm_head.weight.device), {"step": 0}
 
     @torch.no_grad()
     def decode(prompts, knob):
@@ -400,9 +397,9 @@ def device_decoder(model, *, block_size, max_new_tokens, mask_id, eos_ids=(), ex
         if exact:
             st = begin_exact(model, prompts, drafts or block_size, max_new_tokens, mask_id, eos_ids,
                              draft_threshold, block_size, s, first)
-            stream["step"] = yield from steps(model, st, step_of(exact_step), chunk)
+            stream["step"] = yield from steps(model, st, step[exact_step], chunk)
         else:
             st = begin_window(model, prompts, block_size, knob.tau, max_new_tokens, mask_id, eos_ids, s,
                               first)
-            stream["step"] = yield from steps(model, st, step_of(window_step), chunk, knob)
+            stream["step"] = yield from steps(model, st, step[window_step], chunk, knob)
     return decode

@@ -21,6 +21,28 @@ import torch
 from mars import IGNORE  # a target that carries no loss (its loss and gradient are 0)
 
 
+def _forward_dtype(h):
+    """The dtype the head's matmul runs in: autocast's where it is on, else h's."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+
+
+def _head_backward(ctx, h, weight, wide, logits_grad):
+    """The backward of a chunked head: for each chunk c of rows, its logits recomputed (the
+    forward's) and logits_grad(c, logits) -> d loss / d logits (c, V), pushed through the matmul
+    in the forward's dtype, as autograd would -> grad_h, grad_weight (each None where not needed)."""
+    grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
+    for i in range(0, h.shape[0], ctx.chunk):
+        c = slice(i, i + ctx.chunk)
+        g = logits_grad(c, _chunk_logits(h[c], weight, ctx.dtype))
+        if grad_h is not None:
+            grad_h[c] = (g.to(ctx.dtype) @ weight.to(ctx.dtype)).to(h.dtype)
+        if grad_w is not None:
+            grad_w += g.T @ h[c].to(g.dtype)
+    return grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+
+
 def _chunk_logits(h, weight, dtype):
     """Logits of a row chunk computed in `dtype` (the forward's: autocast's, else h's), then
     float32 (float64 stays float64), as mars._ce_at promotes them. Autocast is off inside, so
@@ -35,8 +57,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk):
-        device = h.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        dtype = _forward_dtype(h)
         n = h.shape[0]
         loss = h.new_zeros(n, dtype=torch.promote_types(dtype, torch.float32))
         lse = torch.empty_like(loss)
@@ -54,22 +75,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         h, weight, targets, lse = ctx.saved_tensors
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        for i in range(0, h.shape[0], ctx.chunk):
-            hc, t = h[i:i + ctx.chunk], targets[i:i + ctx.chunk]
-            logits = _chunk_logits(hc, weight, ctx.dtype)
-            probs = (logits - lse[i:i + ctx.chunk, None]).exp()  # the softmax, (c, V)
+
+        def logits_grad(c, logits):  # softmax - one-hot, times the upstream gradient
+            t, probs = targets[c], (logits - lse[c, None]).exp()  # the softmax, (c, V)
             keep = t != IGNORE
-            # softmax - one-hot: d loss / d logits (a scatter, not boolean indexing: static shapes)
+            # a scatter, not boolean indexing: static shapes
             probs.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None].to(probs.dtype))
-            g = probs * torch.where(keep, grad_loss[i:i + ctx.chunk], 0)[:, None]  # (c, V)
-            if grad_h is not None:  # through the matmul in the forward's dtype, as autograd would
-                grad_h[i:i + ctx.chunk] = (g.to(ctx.dtype) @ weight.to(ctx.dtype)).to(h.dtype)
-            if grad_w is not None:
-                grad_w += g.T @ hc.to(g.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+            return probs * torch.where(keep, grad_loss[c], 0)[:, None]
+
+        return *_head_backward(ctx, h, weight, lse.dtype, logits_grad), None, None
 
 
 def linear_cross_entropy(h, weight, targets, chunk=1024):
@@ -86,8 +100,7 @@ class LinearTeacherKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, t_logp, t_ids, t_rest, keep, chunk):
-        device = h.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        dtype = _forward_dtype(h)
         n, wide = h.shape[0], torch.promote_types(dtype, torch.float32)
         p, r = t_logp.to(wide).exp(), t_rest.to(wide)  # mars.teacher_kl's normalisation of k + 1 masses
         if t_ids.shape[1] >= weight.shape[0]:  # k = V: nothing outside the top k
@@ -112,22 +125,15 @@ class LinearTeacherKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_kl):
         h, weight, p, ids, r, keep, lse, lse_out = ctx.saved_tensors
-        grad_h = torch.zeros_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        for i in range(0, h.shape[0], ctx.chunk):
-            hc, c = h[i:i + ctx.chunk], slice(i, i + ctx.chunk)
-            z = _chunk_logits(hc, weight, ctx.dtype)
+
+        def logits_grad(c, z):  # q - t, times the upstream gradient
             q = (z - lse[c, None]).exp()  # the model's softmax, (c, V)
             off = r[c, None] * (z - lse_out[c, None]).exp()  # r q / Q, (c, V)
             t = torch.where(r[c, None] > 0, off, torch.zeros_like(off)).scatter(1, ids[c], 0.0)
             t = t.scatter_add(1, ids[c], p[c])  # p on the top k (a repeated id's p adds up)
-            g = (q - t) * torch.where(keep[c], grad_kl[c], 0)[:, None]  # d KL / d logits
-            if grad_h is not None:  # through the matmul in the forward's dtype, as autograd would
-                grad_h[c] = (g.to(ctx.dtype) @ weight.to(ctx.dtype)).to(h.dtype)
-            if grad_w is not None:
-                grad_w += g.T @ hc.to(g.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+            return (q - t) * torch.where(keep[c], grad_kl[c], 0)[:, None]  # d KL / d logits
+
+        return *_head_backward(ctx, h, weight, lse.dtype, logits_grad), None, None, None, None, None
 
 
 def linear_teacher_kl(h, weight, t_logp, t_ids, t_rest, keep, chunk=1024):

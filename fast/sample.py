@@ -24,7 +24,7 @@ CDF resolves it to about 2^-24). The tokens follow processed_probs exactly up to
 
 import torch
 
-from sampling import GREEDY, pick, processed_probs
+from sampling import GREEDY, pick, processed_probs, speculative_rule
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / the golden ratio: keeps the key (0, 0, 0) off the hash's fixed point 0
@@ -84,24 +84,14 @@ def candidates(logits, s, seeds, step):
     (temperature, top-k, top-p: sampling.processed_probs) with this step's uniforms."""
     if s.greedy:
         return pick(logits, GREEDY)
-    N, n, _ = logits.shape
-    return draw(probs_of(logits, s), counter_uniforms(seeds, step, n))
+    return draw(probs_of(logits, s), counter_uniforms(seeds, step, logits.shape[1]))
 
 
 def speculative(p, q, d, n, u):
     """sampling.speculative_accept with the counter's numbers: p (N, K+1, V) the processed AR
     distributions at c_0, d_1..d_K; q (N, K, V) the distributions the drafts d (N, K) were drawn
     from, row b's first n[b] real; u (N, K+1): u[:, :K] the accept tests, u[:, K] the bonus draw.
-    Accept d_i while u_i q(d_i) < p(d_i) (probability min(1, p/q)); at the first rejection the
-    bonus is drawn from normalise(max(0, p - q)) there, after the last real draft from p.
-    -> a (N,) accepted, bonus (N,). Its tokens are distributed as AR sampling from p."""
-    N, K = d.shape
-    pd = p[:, :K].gather(-1, d[..., None])[..., 0]  # (N, K): the target probability of each draft
-    qd = q.gather(-1, d[..., None])[..., 0]  # its draft probability
-    ok = (u[:, :K] * qd < pd) & (torch.arange(K, device=d.device) < n[:, None])  # u < p/q, no 0/0
-    a = ok.long().cumprod(1).sum(1)
-    row = torch.arange(N, device=d.device)
-    p_a, q_a = p[row, a], q[row, a.clamp(max=K - 1)]  # (N, V): at the first rejection or after d_n
-    residual = (p_a - q_a).clamp(min=0)
-    rejected = (a < n) & (residual.sum(-1) > 0)
-    return a, draw(torch.where(rejected[:, None], residual, p_a), u[:, K])
+    The rule is the reference's own (sampling.speculative_rule) -> a (N,) accepted, bonus (N,).
+    Its tokens are distributed as AR sampling from p."""
+    a, then = speculative_rule(p, q, d, n, u[:, :d.shape[1]])
+    return a, draw(then, u[:, d.shape[1]])

@@ -22,13 +22,13 @@ from checkpoint import load_checkpoint
 from exact import generate_exact
 from fast.loop import (
     ar_step,
+    compiled_steps,
     exact_step,
     generate_ar_device,
     generate_exact_device,
     generate_window_device,
     window_step,
 )
-from fast.step import compiled
 from generate import generate, generate_ar
 from scripts.common import QUESTIONS, ints, machine
 
@@ -49,8 +49,7 @@ def main():
     ck = load_checkpoint(args.ckpt, "cpu", getattr(torch, args.dtype))
     model = fast.make_fast(ck.model, compile=True)
     step = model.compiled  # the compiled step loops' step; None: the eager loops
-    cpu = torch.device("cpu")
-    steps = {f.__name__: compiled(f, cpu, fullgraph=True) for f in (ar_step, window_step, exact_step)}
+    steps = compiled_steps(torch.device("cpu"))
     mask, tau, K, n = ck.mask_id, args.tau, 2, args.new_tokens
     kw = dict(block_size=4, max_new_tokens=n, mask_id=mask)
 
@@ -65,12 +64,12 @@ def main():
 
     loops = {  # name -> {loop: prompts -> Generations}
         "AR": (lambda p: generate_ar(model, p, n),
-               lambda p: generate_ar_device(model, p, n, (), 8, steps["ar_step"])),
+               lambda p: generate_ar_device(model, p, n, (), 8, steps[ar_step])),
         f"tau={tau} window": (lambda p: generate(model, p, tau=tau, **kw),
                               lambda p: generate_window_device(model, p, 4, tau, n, mask, (), 8,
-                                                               steps["window_step"])),
+                                                               steps[window_step])),
         f"exact K={K}": (lambda p: generate_exact(model, p, drafts=K, **kw),
-                         lambda p: generate_exact_device(model, p, K, n, mask, (), 8, steps["exact_step"])),
+                         lambda p: generate_exact_device(model, p, K, n, mask, (), 8, steps[exact_step])),
     }
     loops = {name: {"eager step loop": with_step(None, ref), "compiled step loop": with_step(step, ref),
                     "device loop": dev} for name, (ref, dev) in loops.items()}

@@ -22,6 +22,7 @@ from exact import generate_exact
 from fast.linear import set_row_tile
 from fast.loop import (
     ar_step,
+    compiled_steps,
     exact_step,
     generate_ar_device,
     generate_exact_device,
@@ -52,17 +53,15 @@ def our_decoders(model):
 def device_loops(model):
     """name -> decode(prompts, new tokens): fast/loop.py's loops, each step compiled whole
     (CUDA graphs on a GPU), one host read per 8 steps."""
-    mode = "reduce-overhead" if common.RUN.device == "cuda" else "default"
-    step = {f.__name__: torch.compile(f, fullgraph=True, dynamic=False, mode=mode)
-            for f in (ar_step, window_step, exact_step)}
+    step = compiled_steps(torch.device(common.RUN.device))
     out = {
-        "AR device loop compiled": lambda p, n: generate_ar_device(model, p, n, (), 8, step["ar_step"]),
+        "AR device loop compiled": lambda p, n: generate_ar_device(model, p, n, (), 8, step[ar_step]),
         "tau=0.95 window device loop compiled": lambda p, n: generate_window_device(
-            model, p, B, 0.95, n, MASK, (), 8, step["window_step"]),
+            model, p, B, 0.95, n, MASK, (), 8, step[window_step]),
     }
     for K in (2, 4):
         out[f"exact K={K} device loop compiled"] = lambda p, n, K=K: generate_exact_device(
-            model, p, K, n, MASK, (), 8, step["exact_step"])
+            model, p, K, n, MASK, (), 8, step[exact_step])
     return out
 
 
