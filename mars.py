@@ -10,8 +10,8 @@ the method is in how one batch is laid out and which tokens may see which:
   noisy_stream       every loss-carrying token -> <|mask|> (§3)
   mars_attention_mask  the (2l, 2l) mask over [clean | noisy] (§3)
   two_stream_batch   inputs and shared position ids of the 2l-token forward (§3)
-  two_stream_window  the same forward as it is run: only the noisy blocks the loss reads
-  mars_loss          one forward, CE_noisy + w * CE_clean per target (§4)
+  mars_loss          the forward: [clean | noisy], the (2l, 2l) mask, one model.hidden call (§3-§4)
+  summed_loss        its loss from the two streams' outputs: CE_noisy + w * CE_clean per target (§4)
   teacher_kl         KL(teacher || model) from the teacher's top-k + the rest's mass: an
                      L_AR target beyond the paper (mars_loss(ar_teacher=...), issue 21)
   inverse_t_weights  the released "w/o L_AR" runs' 1/t weight of each row's noisy loss (§4)
@@ -19,14 +19,15 @@ the method is in how one batch is laid out and which tokens may see which:
 
 Convention used everywhere (right shift, §3): `labels[:, i]` is the TARGET token at
 index i, or -100; it is predicted by the output at index i-1 of the same stream.
-"""
 
-import functools
+This is the textbook form a student steps through. What it leaves to the engine: fast/window.py
+runs the same loss over a shorter forward (the clean stream plain causal, only the noisy blocks
+the loss reads), fast/train.py with the static shapes of a compiled step; both are proven to
+give this file's loss and gradients, and train.py picks one (Settings.fast_loss).
+"""
 
 import torch
 import torch.nn.functional as F
-
-from model import TwoStreamMask
 
 IGNORE = -100  # label of a position that carries no loss (HF / PyTorch convention)
 
@@ -116,59 +117,6 @@ def mars_attention_mask(l: int, block_size: int, bidirectional: bool = False, de
     noisy_noisy = nq & nk & same_blk & (causal | bidirectional)
     noisy_clean = nq & ~nk & earlier_blk
     return clean_clean | noisy_noisy | noisy_clean  # clean q -> noisy k: never
-
-
-@functools.lru_cache(maxsize=64)
-def cached_mask(l: int, block_size: int, bidirectional: bool, device):
-    """mars_attention_mask, built once per (l, B, bidirectional, device): not every step."""
-    return mars_attention_mask(l, block_size, bidirectional, device)
-
-
-def noisy_window(labels, block_size: int):
-    """The noisy blocks the loss reads: start (N,) and width W, whole blocks (§3-§4).
-
-    A noisy query reads noisy keys of its own block only, and a noisy output carries loss
-    only where a target follows it (output i-1 of target i). So the noisy blocks before a
-    row's first such output (prompt) and after its last (padding) are read by nothing the
-    loss uses: they are left out. Row r keeps noisy positions start[r] .. start[r]+W-1,
-    W = the widest row's span, each window block-aligned and inside [0, l).
-    """
-    N, l = labels.shape
-    src = torch.arange(l - 1, device=labels.device).expand(N, l - 1)  # output index of target src+1
-    has = labels[:, 1:] != IGNORE
-    lo = torch.where(has, src, l).amin(1) // block_size * block_size  # (N,); l: no target
-    hi = (torch.where(has, src, -1).amax(1) // block_size + 1) * block_size
-    W = max(int((hi - lo).max()), block_size)
-    return torch.minimum(lo, torch.full_like(lo, l - W)), W
-
-
-def two_stream_window(ids, labels, mask_id: int, block_size: int, bidirectional: bool = False,
-                      trim: bool = True, window=None):
-    """The MARS forward as it is run: [clean | noisy (window)], (N, l + W) inputs and
-    position ids, the attention mask (model.TwoStreamMask) and the window starts (N,).
-
-    The mask is mars_attention_mask's, restricted to the tokens kept (its rows and columns
-    at those positions), so every kept token sees exactly what it sees in the full 2l-token
-    forward: the window keeps whole blocks, and a noisy query sees no noisy key outside its
-    block. The clean rows are plain causal over the clean stream, so only the noisy rows
-    (N, W, l + W) are handed to attention as a tensor. trim = False keeps the whole noisy
-    stream (W = l, start 0): the layout of two_stream_batch, rows (l, 2l) of the cached mask.
-    window = (start, W): a window the caller computed (noisy_window's, or a wider one that holds
-    it, whole blocks inside [0, l)), else noisy_window's own.
-    """
-    N, l = ids.shape
-    full = cached_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
-    if not trim:
-        inputs, position_ids = two_stream_batch(ids, labels, mask_id)  # (N, 2l) each
-        start = torch.zeros(N, dtype=torch.long, device=ids.device)
-        return inputs, position_ids, TwoStreamMask(full[l:]), start
-    start, W = noisy_window(labels, block_size) if window is None else window
-    kept = start[:, None] + torch.arange(W, device=ids.device)  # (N, W) noisy positions kept
-    clean = torch.arange(l, device=ids.device).expand(N, l)
-    cols = torch.cat([clean, l + kept], dim=1)  # (N, l + W) index into [clean | noisy]
-    rows = full[(l + kept)[:, :, None], cols[:, None, :]]  # (N, W, l + W)
-    inputs = torch.cat([ids, noisy_stream(ids, labels, mask_id).gather(1, kept)], dim=1)  # (N, l + W)
-    return inputs, torch.cat([clean, kept], dim=1), TwoStreamMask(rows), start
 
 
 def two_stream_batch(ids, labels, mask_id: int):
@@ -268,16 +216,14 @@ def inverse_t_weights(n_rows: int, generator=None, device=None, eps: float = 1e-
 
 
 def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
-              bidirectional: bool = False, two_stream: bool = True, trim_noisy: bool = False,
-              noisy_row_weight=None, ar_teacher=None):
+              bidirectional: bool = False, noisy_row_weight=None, ar_teacher=None):
     """The MARS loss (§3-§4) of a batch: (loss, l_mask, l_ar), loss = l_mask + w * l_ar.
 
-    ids, labels (N, l), l a multiple of B (collate). One forward over [clean | noisy]
-    with mars_attention_mask (run as two_stream_window); both streams right-shifted. Per
-    loss-carrying target t the loss is CE_noisy(t) + w * CE_clean(t), normalised per
-    sequence by its number of loss tokens, then averaged over the batch. l_mask (noisy
-    part) and l_ar (clean part, the AR signal that keeps the model an AR model) use the
-    same normalisation.
+    ids, labels (N, l), l a multiple of B (collate). The forward of §3 as drawn: the input
+    [clean | noisy] (2l tokens, position ids 0..l-1 in each stream), the (2l, 2l)
+    mars_attention_mask, one model.hidden call; then summed_loss: per loss-carrying target
+    t, CE_noisy(t) + w * CE_clean(t), both streams right-shifted, normalised per sequence by
+    its number of loss tokens, then averaged over the batch (§4).
 
     w = 0 is the "w/o L_AR" ablation: the clean stream still runs (noisy queries read
     its keys) but its LM head / CE is skipped, and l_ar is returned as NaN ("not
@@ -288,30 +234,27 @@ def mars_loss(model, ids, labels, mask_id: int, block_size: int, w: float = 1.0,
     ar_teacher = {"logp", "ids", "rest"} (one row per target, _targets' order) makes l_ar
     KL(teacher || model) on the clean stream instead of CE (teacher_kl; beyond the paper);
     the noisy stream keeps CE on the tokens.
-    two_stream = True runs the forward as two_stream_window (clean stream plain causal);
-    trim_noisy = True also leaves out the noisy blocks the loss never reads (noisy_window:
-    prompt and padding blocks; the forward then holds l + W tokens, W < l, instead of 2l).
-    two_stream = False runs all 2l tokens with the full (2l, 2l) mask tensor. All three
-    give the same loss and gradients (tests/test_fast_paths.py); the first two are faster.
     """
     N, l = ids.shape
     if l % block_size:
         raise ValueError(f"row length {l} is not a multiple of block_size {block_size} (use pad_row)")
-    rows, src, tokens = _targets(labels)
-    if two_stream:
-        inputs, position_ids, mask, start = two_stream_window(ids, labels, mask_id, block_size, bidirectional,
-                                                              trim_noisy)
-        noisy_src = l + src - start[rows]  # noisy output src sits at l + src - start in the window
-    else:  # the reference: all 2l tokens, the full mask as one tensor, one masked attention
-        inputs, position_ids = two_stream_batch(ids, labels, mask_id)  # (N, 2l) each
-        mask = mars_attention_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l)
-        noisy_src = l + src
-    h = model.hidden(inputs, position_ids, mask)  # (N, l + W or 2l, C)
-    l_mask = _per_sequence_mean(_ce_at(model, h, rows, noisy_src, tokens), rows, N, noisy_row_weight)
+    inputs, position_ids = two_stream_batch(ids, labels, mask_id)  # (N, 2l) each: [clean | noisy]
+    mask = mars_attention_mask(l, block_size, bidirectional, ids.device)  # (2l, 2l), True = may attend
+    h = model.hidden(inputs, position_ids, mask)  # (N, 2l, C): both streams, one forward
+    return summed_loss(model, h[:, :l], h[:, l:], labels, w, noisy_row_weight, ar_teacher)
+
+
+def summed_loss(model, h_clean, h_noisy, labels, w: float = 1.0, noisy_row_weight=None, ar_teacher=None):
+    """The loss of §4 from the final hidden states of the two streams, h_clean and h_noisy
+    (N, l, C) each: (loss, l_mask, l_ar), see mars_loss. Target i of a row is read from
+    output i-1 of each stream (right shift, §3); the LM head runs on those outputs only.
+    """
+    N = labels.shape[0]
+    rows, src, tokens = _targets(labels)  # (n,) each: target src + 1 of row `rows`, read at output src
+    l_mask = _per_sequence_mean(_ce_at(model, h_noisy, rows, src, tokens), rows, N, noisy_row_weight)
     if w == 0:
         return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
-    clean = _clean_at(model, h, rows, src, tokens, ar_teacher)
-    l_ar = _per_sequence_mean(clean, rows, N)
+    l_ar = _per_sequence_mean(_clean_at(model, h_clean, rows, src, tokens, ar_teacher), rows, N)
     return l_mask + w * l_ar, l_mask, l_ar
 
 

@@ -181,27 +181,11 @@ class Attention(nn.Module):
 CAUSAL = "causal"  # build_mask's mask for plain causal attention over T == S tokens: no mask tensor
 
 
-@dataclass(frozen=True)
-class TwoStreamMask:
-    """The mask of an input [first stream, l tokens | second stream] whose first l queries
-    are plain causal over the first l keys and see no key after them: the clean stream of
-    MARS training (docs/spec.md §3, built by mars.two_stream_window). Attention then runs as two
-    calls, causal over the first l tokens (no mask tensor, as plain AR), and the second
-    stream's queries against all T keys with the explicit `rows`; the (T, T) mask is never
-    materialised. Equal to the full mask as a tensor (tests/test_fast_paths.py)."""
-    rows: torch.Tensor  # (T - l, T) or (N, T - l, T) bool: the mask rows of the second stream
-
-
 def attend(q, k, v, mask, scale):
     """Attention of q (N, nh, T, hd) over k, v (N, nkv, S, hd) -> (N, nh, T, hd), each kv
     head shared by nh / nkv query heads (grouped-query attention). The softmax runs in
     fp32 inside sdpa. mask: a bool tensor (N or 1, 1, T, S), True = may attend; None =
-    every key; CAUSAL (T == S, sdpa's own causal mask); or a TwoStreamMask."""
-    if isinstance(mask, TwoStreamMask):
-        l = q.shape[2] - mask.rows.shape[-2]
-        rows = mask.rows if mask.rows.dim() == 2 else mask.rows[:, None]  # (1 or N, 1, T - l, T)
-        first = attend(q[:, :, :l], k[:, :, :l], v[:, :, :l], CAUSAL, scale)  # (N, nh, l, hd)
-        return torch.cat([first, attend(q[:, :, l:], k, v, rows, scale)], dim=2)
+    every key; or CAUSAL (T == S, sdpa's own causal mask)."""
     if k.shape[1] != q.shape[1] and isinstance(mask, torch.Tensor) and q.is_cuda:
         # CUDA's fused kernels that take a mask do not take grouped heads (sdpa would fall
         # back to its slow math path): share the kv heads by copying them instead
@@ -250,19 +234,15 @@ def build_mask(T, attn_mask=None, cache=None):
     """The mask handed to attention (see `attend`) for T new tokens.
 
     `attn_mask` relates the T tokens of this call to each other, (T, T) or (N, T, T) bool,
-    True = may attend, or a TwoStreamMask; None means plain causal. With a cache (placed
-    by cache.begin), every committed cached token of the row is visible as well, and the
-    new tokens sit at slots lengths[b] .. lengths[b]+T-1, so the mask is placed at that
-    offset per row: (N, 1, T, S), S = cache.end.
+    True = may attend (MARS training's (2l, 2l) mask of §3, exact mode's of §8); None means
+    plain causal. With a cache (placed by cache.begin), every committed cached token of the
+    row is visible as well, and the new tokens sit at slots lengths[b] .. lengths[b]+T-1, so
+    the mask is placed at that offset per row: (N, 1, T, S), S = cache.end.
     """
     if cache is None:
         if attn_mask is None:
             return CAUSAL
-        if isinstance(attn_mask, TwoStreamMask):
-            return attn_mask
         return attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask[:, None]
-    if isinstance(attn_mask, TwoStreamMask):
-        raise ValueError("a TwoStreamMask is a training mask: it takes no KV cache")
     lengths, S = cache.lengths, cache.end  # (N,), int: the slots attention reads
     if attn_mask is None and T == 1 and cache.at is not None and S == cache.at + 1:
         return None  # one new token per row, all rows at the same slot: it sees every key

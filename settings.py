@@ -5,7 +5,8 @@ tests/test_train_settings.py checks): the data and model, the method (B, w of L_
 Block-Diffusion ablation: docs/spec.md §3-§4), the optimisation (§7), logging, checkpoints and
 the system. `parse_settings` applies `--config FILE.json` and `--key=value` over the
 defaults, left to right, typed like them. `RESUME_FREE` names the settings a resumed run
-may change (they do not change the trajectory's maths).
+may change (they do not change the trajectory's maths); `GONE` the settings that were replaced,
+so that a config naming one is told what replaced it.
 
 What it leaves to others: what each setting does (train.py), the dtypes' rules
 (util/precision.py).
@@ -41,9 +42,9 @@ class Settings:
     ar_target: str = "tokens"  # L_AR: "tokens" = CE (§4); "teacher" = KL to the top-k teacher in the data
     inv_t_weight: bool = False  # "w/o L_AR" as released: each row's noisy loss x 1/t, t ~ U[1e-3, 1) (§4)
     freeze_vocab: bool = False  # beyond the paper: the embedding and LM head stay fixed, but the mask row
-    # how the MARS forward runs (the same loss and gradients: tests/test_fast_paths.py)
-    two_stream: bool = True  # clean stream plain causal, no (2l, 2l) mask; False: the full mask tensor of §3
-    trim_noisy: bool = True  # leave out the noisy blocks no loss reads (prompt, padding); False: all 2l
+    # how the MARS loss runs: the same loss and gradients either way (tests/test_fast_paths.py)
+    fast_loss: bool = True  # the engine's forward (fast/window.py: the clean stream plain causal, only the
+    #                         noisy blocks the loss reads); false: mars.mars_loss, the textbook one of §3
     # optimisation (§7)
     ar_steps: int = 4000
     mars_steps: int = 1000
@@ -85,8 +86,11 @@ class Settings:
 # settings that may differ when resuming (they do not change the trajectory's maths)
 RESUME_FREE = {"data_dir", "out_dir", "init_from", "tokenizer", "log_interval", "eval_interval", "eval_rows",
                "ckpt_interval", "resume", "eval_at_end", "device", "compile", "gradient_checkpointing",
-               "micro_batch_size", "gpu_mem_gb", "two_stream", "trim_noisy",
-               "bucket", "flex_attention"}
+               "micro_batch_size", "gpu_mem_gb", "fast_loss", "bucket", "flex_attention"}
+# settings that are gone, and what took their place: a config or command line naming one is refused
+GONE = dict.fromkeys(("two_stream", "trim_noisy"), "fast_loss (true, the default: the engine's windowed "
+                     "forward, as two_stream = trim_noisy = true was; false: the textbook forward, "
+                     "mars.mars_loss, as two_stream = false was)")
 
 
 def parse_settings(argv):
@@ -96,6 +100,8 @@ def parse_settings(argv):
 
     def put(key, value, source, text):
         kind = types.get(key)
+        if key in GONE:
+            raise SystemExit(f"{source}: setting {key!r} is gone: use {GONE[key]}")
         if kind is None:
             raise SystemExit(f"{source}: unknown setting {key!r} (see Settings in settings.py)")
         if text and kind is not str:  # from the command line: parse the text
@@ -134,8 +140,9 @@ def parse_settings(argv):
         raise SystemExit(f"ar_target must be 'tokens' or 'teacher', got {s.ar_target!r}")
     if s.freeze_vocab and s.fsdp:
         raise SystemExit("freeze_vocab=true is not implemented with fsdp=true (sharded gradients)")
-    if s.flex_attention and not s.compile:
-        raise SystemExit("flex_attention=true needs compile=true (it is the static step's attention)")
+    if s.flex_attention and not (s.compile and s.fast_loss and not s.fsdp):
+        raise SystemExit("flex_attention=true needs compile=true, fast_loss=true and fsdp=false (it is the "
+                         "static step's attention)")
     if s.dtype not in DTYPES:
         raise SystemExit(f"dtype must be one of {DTYPES}, got {s.dtype!r}")
     for k in ("block_size", "batch_size", "micro_batch_size", "bucket_window", "bucket", "log_interval",

@@ -1,33 +1,19 @@
 """Train MARS: AR SFT, then MARS fine-tuning, on a CPU, one GPU or many (docs/spec.md §2-§4, §7).
 
-A run has two stages on the same data and hyper-parameters (§2, §7):
-  ar    `ar_steps` of plain AR SFT (mars.ar_loss, the clean row alone)
-  mars  `mars_steps` of MARS (mars.mars_loss: [clean | noisy] in one pass, §3-§4)
-each with a fresh AdamW and its own cosine schedule with warm-up, the second starting
-from the model the first left. Outputs, each a plain Qwen2 that transformers loads:
-  out_dir/ar, out_dir/mars   config.json, model.safetensors, tokenizer files,
-                             generation_config.json, mars.json (B, mask id, settings)
-  out_dir/ckpt               latest resume point: the model + train_state.pt
-  out_dir/log.jsonl, out_dir/loss.png
+Two stages on the same data and hyper-parameters (§2, §7), each with a fresh AdamW and its own
+cosine schedule with warm-up: `ar_steps` of plain AR SFT (mars.ar_loss), then `mars_steps` of MARS
+(mars.mars_loss, §3-§4; by default its equal, faster form from the engine: stage_losses). Outputs:
+out_dir/ar and out_dir/mars (plain Qwen2s that transformers loads, with mars.json), out_dir/ckpt
+(the resume point: a killed run continues bit-exactly on the CPU), log.jsonl and loss.png.
 
     python train.py                                     # the default: tiny model, synthetic data, CPU
+    python train.py --fast_loss=false                   # the same run by the textbook forward
     python train.py --config configs/qwen2.5-0.5b-24gb.json --init_from=DIR --data_dir=DIR
     torchrun --nproc_per_node=8 train.py --config configs/qwen2.5-7b-multigpu.json
 
 Every setting is a field of `Settings` (settings.py); its defaults are the default run
 (= configs/default.json). `--config FILE.json` and `--key=value` override them, in order.
-
-Exact resume: the rows of step s are a pure function of (seed, stage, s) (data/batches.py
-`step_rows`: epochs of permutations seeded by (seed, stage, epoch)), the loss has no randomness (100%
-masking, §3; inv_t_weight's t is seeded by (seed, step, micro-batch): row_t_weights), and a
-checkpoint holds the weights, the optimizer state and the position, so a killed run
-continues as if never stopped (bit-exact on CPU). Checkpoints are built in a temp dir and
-renamed into place (`replace_dir`); a NaN/inf loss or gradient stops
-the run before the step is applied or saved.
-
-Multi-process (torchrun, or any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR/PORT):
-process r computes micro-batches r*accum .. r*accum+accum-1 of the step's global batch;
-DDP (or FSDP2 with fsdp=true) averages the gradients, and the logged loss is all-reduced.
+Resume, processes, precision and the engine's forms: docs/training.md.
 """
 
 import math
@@ -36,6 +22,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -56,59 +43,64 @@ from util.runlog import STAGES, RunLog, plot_losses
 
 # ----------------------------------------------------------------------------- model, loss, optimizer
 class StageLoss(nn.Module):
-    """The stage's loss as the forward of a module that owns the model: (loss, l_mask, l_ar).
-    mars_loss and ar_loss call model.hidden / model.lm_head, not model.forward, and DDP and
-    FSDP act only on calls of the module they wrap; so they wrap this one."""
+    """The stage's loss (stage_losses' ar_fn or mars_fn) as the forward of a module that owns the
+    model: DDP and FSDP act only on calls of the module they wrap (the losses call model.hidden)."""
 
-    def __init__(self, model, S, mask_id):
+    def __init__(self, model, ar_fn, mars_fn):
         super().__init__()
-        self.model, self.S, self.mask_id, self.stage = model, S, mask_id, "ar"
+        self.model, self.ar_fn, self.mars_fn, self.stage = model, ar_fn, mars_fn, "ar"
 
-    def forward(self, ids, labels, teacher=None, row_weight=None, window=None):
-        """teacher (make_teacher) makes L_AR the KL to it (ar_target = "teacher"), else CE;
-        row_weight (row_t_weights) multiplies each row's L_mask (inv_t_weight). window: a
-        static_batch's noisy window, for the static step of compile=true (fast/train.py: the
-        same loss with fixed shapes and no host sync, compiled whole)."""
-        S = self.S
-        if window is not None:
-            return self.static_loss(ids, labels, window, teacher)
+    def forward(self, batch, row_weight=None):
+        """step_batch's batch, row_t_weights' row_weight -> (loss, l_mask, l_ar)."""
         if self.stage == "ar":  # plain AR SFT (§2): no noisy stream, so no L_mask
-            loss = ar_loss(self.model, ids, labels, teacher)
+            loss = self.ar_fn(self.model, batch["ids"], batch["labels"], batch["ar_teacher"])
             return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
-        return mars_loss(self.model, ids, labels, self.mask_id, S.block_size, S.w_ar, S.bidirectional,
-                         two_stream=S.two_stream, trim_noisy=S.trim_noisy, ar_teacher=teacher,
-                         noisy_row_weight=row_weight)
+        return self.mars_fn(self.model, **batch, noisy_row_weight=row_weight)
 
 
-    def static_loss(self, ids, labels, window, teacher=None):
-        """The stage's loss by fast/train.py's static step (compile=true): the same loss."""
-        from fast.train import ar_loss_static, mars_loss_static  # the engine, only when asked for
+def stage_losses(S, model, special, device):
+    """(ar_fn, mars_fn, layout): the stages' losses and the layout of a micro-batch they read (None:
+    step_batch's). The one place train.py uses the engine (fast/), as nanoGPT compiles in one block;
+    each engine loss gives the reference's loss and gradients (tests/test_fast_*.py):
+      fast_loss = false  mars.ar_loss, mars.mars_loss: the textbook forward of §3-§4
+      fast_loss = true   the MARS forward over the two-stream window (fast/window.py; the model's
+                         attention swapped for one that reads its mask), the default
+      + compile = true   the static step (fast/train.py; static_step): rows and the window
+                         bucketed on the host, the LM head chunked; flex_attention on top"""
+    if S.flex_attention and device.type != "cuda":
+        raise SystemExit("flex_attention=true needs CUDA: FlexAttention has no backward on the CPU")
+    method = dict(mask_id=special["mask"], block_size=S.block_size, w=S.w_ar, bidirectional=S.bidirectional)
+    if not S.fast_loss:
+        return ar_loss, partial(mars_loss, **method), None
+    from fast.window import mars_loss_windowed, use_two_stream  # the engine, only from here
 
-        if self.stage == "ar":
-            loss = ar_loss_static(self.model, ids, labels, teacher=teacher)
-            return loss, torch.full_like(loss, math.nan).detach(), loss.detach()
-        S = self.S
-        return mars_loss_static(self.model, ids, labels, window, self.mask_id, S.block_size, S.w_ar,
-                                S.bidirectional, flex=S.flex_attention, teacher=teacher)
+    use_two_stream(model)
+    if not static_step(S):
+        return ar_loss, partial(mars_loss_windowed, **method), None
+    from fast.flex import use_flex
+    from fast.train import ar_loss_static, mars_loss_static, static_layout
+
+    if S.flex_attention:
+        use_flex(model)
+    # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    layout = partial(static_layout, pad_id=special["pad"], block_size=S.block_size, bucket=S.bucket)
+    return ar_loss_static, partial(mars_loss_static, **method, flex=S.flex_attention), layout
 
 
 def row_t_weights(S, stage, step, slot, n, device):
     """The 1/t of each of the n rows of micro-batch `slot` of a MARS step when inv_t_weight
-    (mars.inverse_t_weights, the released "w/o L_AR" objective, §4), else None. The generator
-    is seeded by (seed, step, slot) (the hash of a tuple of ints is fixed across runs): no RNG
-    state, so a resumed run, or the same slot on another process, draws the same t."""
+    (mars.inverse_t_weights, §4), else None; seeded by (seed, step, slot), a tuple of ints whose
+    hash is fixed: a resumed run, or the same slot on another process, draws the same t."""
     if not (S.inv_t_weight and stage == "mars"):
         return None
     return inverse_t_weights(n, torch.Generator().manual_seed(hash((S.seed, step, slot)))).to(device)
 
 
 def keep_mask_row(model, mask_id):
-    """freeze_vocab (beyond the paper), after every backward: zero the embedding's (and a tied
-    head's) gradient outside the mask token's row, the one row MARS gives a new use (§2); an
-    untied head takes no gradient at all (build_model). The idea: from the first step AdamW
-    moves every row of the head by about lr per entry, whatever the gradient's size, and every
-    AR logit with it. Measured on SmolLM2 (issue 21, results/real_model/PLAN.md), it did not
-    hold the AR path: L_AR moved as without it, through the layers."""
+    """freeze_vocab (beyond the paper; docs/training.md), after every backward: zero the
+    embedding's (and a tied head's) gradient outside the mask token's row, the one row MARS gives
+    a new use (§2); an untied head takes no gradient at all (build_model)."""
     g = model.model.embed_tokens.weight.grad
     if g is not None:
         g[:mask_id].zero_()
@@ -181,17 +173,18 @@ def initial_model(S, tok, special):
 
 
 @torch.no_grad()
-def val_loss(runner, net, val, S, special, rank, world, device, amp):
+def val_loss(r):
     """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
+    S, world, val = r.S, r.world, r.data["val"]
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
-    acc = torch.zeros(2, dtype=torch.float64, device=device)
-    net.train(False)
-    for part in torch.arange(rank * n // world, (rank + 1) * n // world).split(S.micro_batch_size):
-        x, y, _, window, teacher = step_batch(val, part, S, special, device)  # the same on every rank
-        with amp:
-            n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=device)
-            acc += torch.stack([runner(x, y, teacher, None, window)[0].double() * n_part, n_part])
-    net.train(True)
+    acc = torch.zeros(2, dtype=torch.float64, device=r.device)
+    r.net.train(False)
+    for part in torch.arange(r.rank * n // world, (r.rank + 1) * n // world).split(S.micro_batch_size):
+        batch, _ = step_batch(r, val, part)  # the same on every rank
+        with r.amp:
+            n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=r.device)
+            acc += torch.stack([r.runner(batch)[0].double() * n_part, n_part])
+    r.net.train(True)
     if world > 1:
         dist.all_reduce(acc)
     return (acc[0] / acc[1]).item() if n else None
@@ -199,30 +192,17 @@ def val_loss(runner, net, val, S, special, rank, world, device, amp):
 
 def static_step(S):
     """Whether steps run as fast/train.py's static step, compiled whole: compile=true with the
-    loss it covers (L_AR CE on the tokens or the KL to a teacher, no 1/t row weights, the
-    two-stream window as trained by default) and without FSDP (its hooks do not trace into one
-    graph); else the reference loss."""
-    return S.compile and not S.inv_t_weight and S.two_stream and S.trim_noisy and not S.fsdp
+    engine's loss (fast_loss), without FSDP (its hooks do not trace into one graph)."""
+    return S.compile and S.fast_loss and not S.fsdp
 
 
-def step_batch(d, part, S, special, device):
-    """A micro-batch on `device` -> ids, labels, tokens, window, teacher: make_batch's and
-    make_teacher's (None without ar_target = "teacher"), or for the static step bucketed, its
-    noisy window sized and its teacher laid out on the outputs on the host before the copy
-    (static_batch, static_teacher), so the step reads nothing back from the device; window None
-    otherwise."""
-    if not static_step(S):
-        return *make_batch(d, part, S, special, device), None, make_teacher(d, part, S, special, device)
-    from fast.train import static_batch, static_teacher  # the engine, only when asked for
-
-    x, y, n_tok = make_batch(d, part, S, special, "cpu")
-    x, y, (start, W) = static_batch(x, y, special["pad"], S.block_size, S.bucket)
-    teacher = make_teacher(d, part, S, special, "cpu")
-    pin = device.type == "cuda"  # a copy from pinned memory does not wait for the device
-    to = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)
-    if teacher is not None:
-        teacher = {k: to(v) for k, v in static_teacher(teacher, y).items()}
-    return to(x), to(y), n_tok, (to(start), W), teacher
+def step_batch(r, d, part):
+    """Rows `part` of d -> (batch, tokens before padding) on the device: {"ids", "labels" (N, l),
+    "ar_teacher"} (make_batch's, make_teacher's: None but for ar_target = "teacher"), or r.layout's."""
+    on = "cpu" if r.layout else r.device
+    x, y, n_tok = make_batch(d, part, r.S, r.special, on)
+    batch = {"ids": x, "labels": y, "ar_teacher": make_teacher(d, part, r.S, r.special, on)}
+    return (r.layout(batch, r.device) if r.layout else batch), n_tok
 
 
 def main(argv=None):
@@ -249,10 +229,13 @@ class Run:
     model: Qwen2 = None
     net: StageLoss = None  # the loss module DDP / FSDP wrap
     runner: nn.Module = None  # what is called: net, compiled and/or DDP-wrapped
+    layout: object = None  # the engine's host layout of a micro-batch (stage_losses); None: as made
     amp: object = None  # autocast context (util.precision)
     log: RunLog = None
     eos_ids: list = None
     data_id: str = None  # fingerprint of train.npz: a resume point must match it
+    started: float = None  # time.time() when the first step began
+    step_time: float = None  # seconds per optimizer step, smoothed: for the ETA
 
     def __post_init__(self):
         self.data_id = fingerprint(self.data["train"])  # hashed once, not at every save
@@ -275,25 +258,24 @@ def train(S, rank, world, device):
         build_model(r, state)
     except USER_ERRORS as e:
         raise SystemExit(error_line(e)) from None
-    here = (state["stage"], state["step"]) if state is not None else None
-    os.makedirs(S.out_dir, exist_ok=True)  # only now: a run refused above writes nothing
-    r.log = RunLog(os.path.join(S.out_dir, "log.jsonl"), here, enabled=rank == 0)
-    t = Timer()
     first, first_step = (state["stage"], state["step"]) if state is not None else ("ar", 0)
+    os.makedirs(S.out_dir, exist_ok=True)  # only now: a run refused above writes nothing
+    r.log = RunLog(os.path.join(S.out_dir, "log.jsonl"), (first, first_step) if state else None, rank == 0)
+    r.started = time.time()
     for si, stage in enumerate(STAGES):
         start, total = (first_step if stage == first else 0), r.totals[stage]
         if si < STAGES.index(first) or start >= total:
             continue  # done before the checkpoint, or a stage of 0 steps
-        run_stage(r, stage, start, state, t)
+        run_stage(r, stage, start, state)
     r.log.close()
-    r.say(f"training done in {t.elapsed() / 60:.1f} min")
+    r.say(f"training done in {(time.time() - r.started) / 60:.1f} min")
     if S.eval_at_end and rank == 0 and r.totals["mars"] > 0:
         import evaluate  # the held-out accuracy at tau = 1 and 0.9 of the released model
 
         result = evaluate.evaluate(os.path.join(S.out_dir, "mars"), S.data_dir, taus=(1.0, 0.9),
                                    block_size=S.block_size, device=str(device))
         write_json(os.path.join(S.out_dir, "eval.json"), result)
-        r.say(f"elapsed {t.elapsed() / 60:.1f} min (training and evaluation)")
+        r.say(f"elapsed {(time.time() - r.started) / 60:.1f} min (training and evaluation)")
 
 
 def micro_batches(S, world):
@@ -353,7 +335,8 @@ def resume_point(r):
 
 
 def build_model(r, state):
-    """The model (from the checkpoint, init_from or scratch), on its device, wrapped for the run."""
+    """The model (from the checkpoint, init_from or scratch) on its device, its stages' losses
+    (stage_losses) in a StageLoss, wrapped for the run (wrap)."""
     S, special = r.S, r.special
     dtype, why = choose_dtype(S.dtype, r.device)
     model = Qwen2.from_pretrained(r.ckpt, weight_dtype(dtype)) if state is not None else \
@@ -374,30 +357,34 @@ def build_model(r, state):
           f"{r.device}, {dtype_name(dtype)} ({why})")
     if r.device.type == "cuda" or S.gpu_mem_gb > 0:
         ran = replace(S, dtype=dtype_name(dtype), gradient_checkpointing=model.gradient_checkpointing)
-        r.say(memory_report(cfg, ran, r.world, static))
+        parts = memory_parts(cfg, ran, r.world, static)
+        total = sum(parts.values())
+        fits = f": {'fits' if total <= S.gpu_mem_gb * 2**30 else 'does NOT fit'} in {S.gpu_mem_gb:g} GiB"
+        r.say("estimated peak memory per process, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in
+              parts.items()) + f" = {total / 2**30:.2f}" + (fits if S.gpu_mem_gb > 0 else ""))
         if model.gradient_checkpointing and not S.gradient_checkpointing:
             r.say(f"gradient checkpointing: on, the estimate without it exceeds gpu_mem_gb={S.gpu_mem_gb:g}")
     if S.freeze_vocab and not cfg.tie_word_embeddings:
         model.lm_head.weight.requires_grad_(False)  # keep_mask_row does the embedding
-    r.model, r.net, r.amp = model, StageLoss(model, S, special["mask"]), autocast(r.device, dtype)
+    ar_fn, mars_fn, r.layout = stage_losses(S, model, special, r.device)
+    r.model, r.net = model, StageLoss(model, ar_fn, mars_fn)
+    wrap(r, dtype, static)
+
+
+def wrap(r, dtype, static):
+    """r.runner, what the steps call: r.net under FSDP2 or DDP with several processes, compiled
+    with compile=true (whole, one graph per shape, for the static step); and r.amp, the autocast."""
+    S = r.S
+    r.amp = autocast(r.device, dtype)
     if r.world > 1 and S.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # FSDP2 casts the gathered weights (instead of autocast) and reduces gradients in the weights' dtype
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=weight_dtype(dtype))
-        for layer in model.model.layers:
+        for layer in r.model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(r.net, mp_policy=mp)
         r.amp = nullcontext()
-    if S.flex_attention:
-        if r.device.type != "cuda" or not static:
-            raise SystemExit("flex_attention=true needs CUDA and the static step (compile=true, two_stream, "
-                             "trim_noisy, no fsdp): FlexAttention has no backward on the CPU")
-        from fast.flex import use_flex  # the engine, only when asked for
-
-        use_flex(model)
-    if static:  # one graph per bucketed shape (fast/train.py: ~21 at 512 tokens, x2 for val)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     r.runner = torch.compile(r.net, fullgraph=static, dynamic=False if static else None) if S.compile \
         else r.net
     if r.world > 1 and not S.fsdp:
@@ -407,32 +394,7 @@ def build_model(r, state):
         r.runner = DistributedDataParallel(r.runner, device_ids=ids_)
 
 
-def memory_report(cfg, S, world, static=False):
-    parts = memory_parts(cfg, S, world, static)
-    total = sum(parts.values())
-    verdict = f"{'fits' if total <= S.gpu_mem_gb * 2**30 else 'does NOT fit'} in {S.gpu_mem_gb:g} GiB"
-    return ("estimated peak memory per process, GiB: " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in
-            parts.items()) + f" = {total / 2**30:.2f}" + (f": {verdict}" if S.gpu_mem_gb > 0 else ""))
-
-
-class Timer:
-    """Wall clock of the run, and a smoothed step time for the ETA."""
-
-    def __init__(self):
-        self.t0 = self.t_last = time.time()
-        self.avg = None
-
-    def step(self):
-        now = time.time()
-        dt, self.t_last = now - self.t_last, now
-        self.avg = dt if self.avg is None else 0.9 * self.avg + 0.1 * dt
-        return dt
-
-    def elapsed(self):
-        return time.time() - self.t0
-
-
-def run_stage(r, stage, start, state, t):
+def run_stage(r, stage, start, state):
     """Steps start .. total-1 of one stage, with a fresh AdamW (its state restored on resume)."""
     S, total = r.S, r.totals[stage]
     opt = make_optimizer(r.net, S, r.device)
@@ -442,16 +404,19 @@ def run_stage(r, stage, start, state, t):
     accum = micro_batches(S, r.world)
     r.say(f"{stage} stage: steps {start + 1}..{total}, {S.batch_size} rows per step ({r.world} process(es) x "
           f"{accum} micro-batch(es) of {S.micro_batch_size}), lr {S.lr:g}")
+    last = time.time()
     for step in range(start, total):
         lr = lr_at(step, total, S)
         for g in opt.param_groups:
             g["lr"] = lr
         loss, l_mask, l_ar, tokens, gnorm = train_step(r, opt, stage, step)
-        done, dt = step + 1, t.step()
+        done, now = step + 1, time.time()
+        dt, last = now - last, now
+        r.step_time = dt if r.step_time is None else 0.9 * r.step_time + 0.1 * dt
         if done % S.log_interval == 0 or done in (1, total):  # the same steps after a resume
-            log_step(r, stage, done, lr, (loss, l_mask, l_ar), tokens / dt, gnorm, dt, t)
+            log_step(r, stage, done, lr, (loss, l_mask, l_ar), tokens / dt, gnorm, dt)
         if done % S.eval_interval == 0 or done == total:
-            v = val_loss(r.runner, r.net, r.data["val"], S, r.special, r.rank, r.world, r.device, r.amp)
+            v = val_loss(r)
             if v is not None:
                 r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
                 r.say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
@@ -472,13 +437,13 @@ def train_step(r, opt, stage, step):
     for m in range(accum):  # this process's micro-batches: slots rank * accum + m
         k, last = r.rank * accum + m, m == accum - 1
         part = rows[k * mb:(k + 1) * mb]
-        x, y, n_tok, window, teacher = step_batch(r.data["train"], part, S, r.special, r.device)
+        batch, n_tok = step_batch(r, r.data["train"], part)
         row_weight = row_t_weights(S, stage, step, k, len(part), r.device)
         if S.fsdp and world > 1:
             net.set_requires_gradient_sync(last)
         with r.runner.no_sync() if world > 1 and not S.fsdp and not last else nullcontext():
             with r.amp:
-                loss, l_mask, l_ar = r.runner(x, y, teacher, row_weight, window)  # means over its rows
+                loss, l_mask, l_ar = r.runner(batch, row_weight)  # means over its rows
             (loss / accum).backward()  # DDP / FSDP average the gradients over processes
         acc[:3] += torch.stack([v.detach().double() for v in (loss, l_mask, l_ar)]) / accum
         n_tokens += n_tok
@@ -502,7 +467,7 @@ def train_step(r, opt, stage, step):
     return loss_v, l_mask_v, l_ar_v, tokens, gnorm
 
 
-def log_step(r, stage, done, lr, losses, tok_s, gnorm, dt, t):
+def log_step(r, stage, done, lr, losses, tok_s, gnorm, dt):
     """A train record in log.jsonl and a progress line with the ETA of the whole run."""
     loss, l_mask, l_ar = losses
     fin = lambda v: v if math.isfinite(v) else None  # no L_mask in AR, no L_AR at w = 0
@@ -513,7 +478,7 @@ def log_step(r, stage, done, lr, losses, tok_s, gnorm, dt, t):
     left = total - done + sum(r.totals[s] for s in STAGES[STAGES.index(stage) + 1:])
     r.say(f"{stage:4s} step {done:6d}/{total} | loss {loss:.4f} (L_mask {show(l_mask)}, L_AR "
           f"{show(l_ar)}) | lr {lr:.2e} | {tok_s:8.0f} tok/s | {1000 * dt:5.0f} ms | "
-          f"ETA {t.avg * left / 60:.1f} min")
+          f"ETA {r.step_time * left / 60:.1f} min")
 
 
 def save(r, opt, stage, done, total):

@@ -2,12 +2,11 @@
 
 torch's CPU argmax kernel is not vectorised, while its max is: for 9 x 49,152 logits (an
 exact K = 2 step on SmolLM2) torch.argmax takes 210 µs and `block_argmax` 45 (AMD EPYC, 2
-threads; results/SPEED.md). `install()` makes it sampling.argmax, the one greedy pick every
-decoder reads through (sampling.pick). It is proven equal to torch.argmax on ties, NaN,
-infinities and signed zeros (tests/test_sampling.py), so the swap changes no token.
+threads; results/SPEED.md). It is the engine model's greedy pick (FastQwen2.argmax, which the
+decoders read through decoding.greedy_pick, and the device loops of loop.py), proven equal to
+torch.argmax on ties, NaN, infinities and signed zeros (tests/test_sampling.py), so it changes
+no token. Nothing of the core is replaced: a reference model keeps sampling.argmax.
 """
-
-import sampling
 
 
 def block_argmax(logits, width=128):
@@ -25,8 +24,3 @@ def block_argmax(logits, width=128):
     first = blocks.amax(-1).argmax(-1, keepdim=True)  # (..., 1): the block of the first largest
     inside = blocks.gather(-2, first[..., None].expand(*first.shape, width))[..., 0, :]  # (..., width)
     return first[..., 0] * width + inside.argmax(-1)
-
-
-def install():
-    """Make block_argmax the decoders' greedy pick (sampling.argmax) for this process."""
-    sampling.argmax = block_argmax

@@ -17,6 +17,9 @@ and one function does a whole step on it, in place:
                sampling.greedy_accept; sampled: fast.sample.speculative); emit; commit c_0,
                d_1..d_a; the group G_a gives the next drafts (exact.exact_steps)
 
+The greedy pick is the model's own (FastQwen2.argmax: block maxima, fast/argmax.py), as the
+reference decoders read it (decoding.greedy_pick).
+
 Compiled whole (`torch.compile(step, fullgraph=True)`), a step is one graph; the host replays
 it `chunk` steps at a time and then reads the device once (`steps`: the new output columns,
 each step's emitted counts, the finished flags), yielding the reference's decoding.Steps. A
@@ -46,7 +49,7 @@ from fast.cache import KEY_BLOCK, FastCache
 from fast.sample import candidates, counter_uniforms, draw, probs_of, speculative
 from fast.step import compiled
 from model import Qwen2
-from sampling import GREEDY, confidence, confident, greedy_accept, pick, sample_drafts
+from sampling import GREEDY, confidence, confident, greedy_accept, sample_drafts
 
 EOS_SLOTS = 8  # EOS ids a State holds (-1 padded); more make a wider buffer (a new graph)
 MAX_STATES = 4  # States kept per model (each holds a static KV cache); the least recently used goes
@@ -140,11 +143,12 @@ def emit(st, c, a):
     return k
 
 
-def keep(st, logits):
+def keep(model, st, logits):
     """The τ rule (§5) of one step, then `emit`: logits (N, B, V) at [the last real token,
-    masks 0 .. B-2] -> the candidates c (N, B) (fast.sample.candidates) and the count kept
-    (N,): c_0 and the leading run of p_j >= τ (generate.accept); τ >= 1 (or B = 1) keeps c_0."""
-    c = candidates(logits, st.sampling, st.seeds, st.step)
+    masks 0 .. B-2] -> the candidates c (N, B) (fast.sample.candidates; greedy: model.argmax)
+    and the count kept (N,): c_0 and the leading run of p_j >= τ (generate.accept); τ >= 1 (or
+    B = 1) keeps c_0."""
+    c = candidates(logits, st.sampling, st.seeds, st.step, model.argmax)
     passed = confident(confidence(logits[:, 1:], c[:, 1:]), st.tau)  # (N, B-1): p_j >= τ
     a = torch.where(st.tau >= 1, 1, 1 + passed.long().cumprod(1).sum(1))
     return c, emit(st, c, a)
@@ -165,7 +169,7 @@ def ar_step(model, st):
     live = ~st.done
     h = forward(model, st, st.tok)
     st.cache.lengths.add_(live.long())  # the commit: tok is now in the cache of every live row
-    c, _ = keep(st, model.lm_head(h))
+    c, _ = keep(model, st, model.lm_head(h))
     st.tok.copy_(torch.where(live[:, None], c, st.tok))
 
 
@@ -179,7 +183,7 @@ def window_step(model, st):
     tokens = torch.where(j < st.n_tok[:, None], padded, st.mask_id)
     h = forward(model, st, tokens)  # (N, 2B, C)
     st.cache.lengths.add_(st.n_tok)  # the commit: the pending tokens (none for a finished row)
-    c, kept = keep(st, logits_at(model, h, (st.n_tok - 1).clamp(min=0), B))
+    c, kept = keep(model, st, logits_at(model, h, (st.n_tok - 1).clamp(min=0), B))
     st.tok.copy_(c)
     st.n_tok.copy_(kept * ~st.done)
 
@@ -202,7 +206,7 @@ def exact_step(model, st):
     d = st.tok[:, 1:]
     u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # accept tests, the bonus, the next drafts
     if st.sampling.greedy:
-        t = pick(logits[:, :K1], GREEDY)  # (N, 1+K): the accepted drafts are t_0..t_{a-1}, the bonus t_a
+        t = model.argmax(logits[:, :K1])  # (N, 1+K): the accepted drafts are t_0..t_{a-1}, the bonus t_a
         a, bonus = greedy_accept(t, d, st.n_tok)
         emitted = t
     else:
@@ -213,17 +217,18 @@ def exact_step(model, st):
     st.cache.lengths.add_((1 + a) * ~st.done)  # exact.keep_verified: rows still going
     idx = K1 + a[:, None] * K + j  # (N, K): the group G_a
     group = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # (N, K, V)
-    d_next, n_next = next_drafts(st, group, u[:, K1:])
+    d_next, n_next = next_drafts(model, st, group, u[:, K1:])
     st.tok.copy_(torch.cat([bonus[:, None], d_next], 1))
     st.n_tok.copy_(n_next)
 
 
-def next_drafts(st, logits, u):
+def next_drafts(model, st, logits, u):
     """Exact mode's drafts from a group's logits (N, K, V) -> d (N, K), n (N,): the argmaxes
-    (greedy) or draws from q = the processed distribution, kept in st.q for the next step's
-    verification (sampled, with the uniforms u (N, K)); n cut by the threshold on the raw
-    probability of each position's argmax (sampling.sample_drafts: the cut never reads the draw)."""
-    top, n, _ = sample_drafts(logits, GREEDY, None, st.threshold)
+    (greedy: model.argmax) or draws from q = the processed distribution, kept in st.q for the
+    next step's verification (sampled, with the uniforms u (N, K)); n cut by the threshold on
+    the raw probability of each position's argmax (sampling.sample_drafts: the cut never reads
+    the draw)."""
+    top, n, _ = sample_drafts(logits, GREEDY, None, st.threshold, model.argmax)
     if st.sampling.greedy:
         return top, n
     q = probs_of(logits, st.sampling)
@@ -295,7 +300,7 @@ def begin_ar(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, first_
     lengths = [len(q) for q in prompts]
     st, logits = start(model, "ar", prompts, lengths, 1, 1, max_new_tokens, eos_ids, 1.0, sampling,
                        first_step=first_step)
-    c, _ = keep(st, logits)
+    c, _ = keep(model, st, logits)
     st.tok.copy_(c)
     return st
 
@@ -309,7 +314,7 @@ def begin_window(model, prompts, block_size, tau, max_new_tokens, mask_id, eos_i
     rows = [q + [mask_id] * B for q in prompts]
     st, logits = start(model, "window", rows, list(map(len, prompts)), B, 2 * B, max_new_tokens, eos_ids, tau,
                        sampling, mask_id, first_step)
-    c, kept = keep(st, logits)
+    c, kept = keep(model, st, logits)
     st.tok.copy_(c)
     st.n_tok.copy_(kept * ~st.done)
     return st
@@ -335,11 +340,11 @@ def begin_exact(model, prompts, drafts, max_new_tokens, mask_id, eos_ids=(), dra
             torch._dynamo.mark_static_address(st.q)
     u = counter_uniforms(st.seeds, st.step, 2 * K + 1)  # the prefill's step: exact_step's positions
     if sampling.greedy:
-        c0 = pick(logits[:, :1], GREEDY)[:, 0]
+        c0 = model.argmax(logits[:, :1])[:, 0]
     else:
         c0 = draw(probs_of(logits[:, 0], sampling), u[:, K])
     emit(st, c0[:, None], torch.ones_like(c0))  # c_0, the AR token after the prompt
-    d, n = next_drafts(st, logits[:, 1:], u[:, K + 1:])
+    d, n = next_drafts(model, st, logits[:, 1:], u[:, K + 1:])
     st.tok.copy_(torch.cat([c0[:, None], d], 1))
     st.n_tok.copy_(n)
     return st

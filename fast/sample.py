@@ -12,7 +12,7 @@ request is reproducible from its seed, and a row's draws do not depend on the ot
   counter_uniforms(seeds, step, n)   (N,) seeds, () step -> (N, n) uniforms in (0, 1)
   draw(probs, u)                     inverse CDF: the token whose cumulative interval holds u
   probs_of(logits, s)                processed_probs, NaN rows (overflowing temperatures) one-hot
-  candidates(logits, s, seeds, step) the argmax at temperature 0, else draw(probs_of, u)
+  candidates(logits, s, seeds, step, argmax)  argmax(logits) at temperature 0, else draw(probs_of, u)
   speculative(p, q, d, n, u)         exact mode's speculative acceptance (sampling.speculative_accept)
 
 The hash is `mix32`, Chris Wellons's "lowbias32" finaliser, on 32-bit words held in int64 with
@@ -24,7 +24,8 @@ CDF resolves it to about 2^-24). The tokens follow processed_probs exactly up to
 
 import torch
 
-from sampling import GREEDY, pick, processed_probs, speculative_rule
+from fast.argmax import block_argmax
+from sampling import processed_probs, speculative_rule
 
 M32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / the golden ratio: keeps the key (0, 0, 0) off the hash's fixed point 0
@@ -74,16 +75,16 @@ def probs_of(logits, s):
     limit temperature 0. The reference's torch.multinomial raises there; a graph cannot."""
     probs = processed_probs(logits, s)
     broken = ~torch.isfinite(probs.sum(-1, keepdim=True))
-    one_hot = torch.zeros_like(probs).scatter_(-1, pick(logits, GREEDY)[..., None], 1.0)
+    one_hot = torch.zeros_like(probs).scatter_(-1, block_argmax(logits)[..., None], 1.0)
     return torch.where(broken, one_hot, probs)
 
 
-def candidates(logits, s, seeds, step):
-    """The candidate at each position: logits (N, n, V) -> (N, n). Temperature 0: the argmax
-    (sampling.pick, no random number used); else a draw from the processed distribution
+def candidates(logits, s, seeds, step, argmax):
+    """The candidate at each position: logits (N, n, V) -> (N, n). Temperature 0: `argmax` (the
+    model's greedy pick, no random number used); else a draw from the processed distribution
     (temperature, top-k, top-p: sampling.processed_probs) with this step's uniforms."""
     if s.greedy:
-        return pick(logits, GREEDY)
+        return argmax(logits)
     return draw(probs_of(logits, s), counter_uniforms(seeds, step, logits.shape[1]))
 
 

@@ -3,17 +3,21 @@
 `make_fast(model, compile=...)` swaps, in place, the classes of a loaded model.Qwen2 and of its
 modules for the engine's (same parameters, names, values and head tie; what `transformers`
 loads is saved as before): FastLinear (linear.py), TiledAttention (attention.py), and the
-model itself for FastQwen2, which overrides three methods of the reference:
+model itself for FastQwen2, which overrides three methods of the reference and brings a fourth:
 
   new_cache       a FastCache (cache.py): whole key blocks; static when the step is compiled
   attention_mask  build_mask's, made once per forward as a TiledMask over a bf16/fp16 cache
   hidden          with compile: a decoding step (any forward over a cache after the prefill)
                   padded to the cache's `width` (the decoder's widest step) and run through
                   one compiled graph per width, batch and dtype; the prefill runs eagerly
+  argmax          the greedy pick by block maxima (argmax.py): the decoders read a model's
+                  through decoding.greedy_pick (a reference model has none: sampling.argmax)
 
-The decoders are the reference's. A padded step's extra tokens sit at the end and are seen by
-no real token (the causal or exact-mode mask), so the real tokens' outputs are the unpadded
-forward's; their K/V lie past the rows' lengths and are overwritten by the next step.
+`switch_step` turns the compiled step on or off (compile_step compiles it and turns it on).
+The decoders are the reference's (generate.py, exact.py) or loop.py's. A padded step's extra
+tokens sit at the end and are seen by no real token (the causal or exact-mode mask), so the
+real tokens' outputs are the unpadded forward's; their K/V lie past the rows' lengths and are
+overwritten by the next step.
 """
 
 import functools
@@ -21,7 +25,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from fast import argmax
+from fast.argmax import block_argmax
 from fast.attention import TiledAttention, tiled_mask
 from fast.cache import FastCache
 from fast.linear import FastLinear, pack, row_tile
@@ -29,7 +33,8 @@ from model import Attention, Qwen2, build_mask
 
 
 class FastQwen2(Qwen2):
-    compiled = None  # the compiled decoding step (compile_step), None: every forward eager
+    compiled = None  # the compiled decoding step (switch_step), None: every forward eager
+    argmax = staticmethod(block_argmax)  # the greedy pick: sampling.argmax's answer, faster
 
     def new_cache(self, batch_size, max_len, step=1, static=None):
         """static: whether forwards read nothing back (default: when the step is compiled)."""
@@ -96,8 +101,17 @@ def compile_step(model: FastQwen2, mode: str | None = None) -> FastQwen2:
     (SmolLM2, 12 prompts, 48 tokens, AMD EPYC with AVX512-BF16: 10/12 replies = eager with it,
     8/12 without; results/SPEED.md). Not on CUDA, where it also turns off Triton's fused
     multiply-adds, unmeasured there."""
-    model.compiled = compiled(static_hidden, model.lm_head.weight.device, mode)
+    switch_step(model, compiled(static_hidden, model.lm_head.weight.device, mode))
     return model
+
+
+def switch_step(model: FastQwen2, step):
+    """Decode through `step` from now on (what compile_step compiled, or static_hidden itself,
+    run eagerly), or, with None, every forward eagerly -> the step it replaces, to switch back.
+    A cache is static when made while a step is on (new_cache), so switch before the decoder
+    makes its cache."""
+    before, model.compiled = model.compiled, step
+    return before
 
 
 def compiled(fn, device, mode=None, fullgraph=False):
@@ -117,8 +131,9 @@ def compiled(fn, device, mode=None, fullgraph=False):
 def make_fast(model: Qwen2, compile: bool = False) -> FastQwen2:
     """The engine over `model`, in place (returns it, now a FastQwen2): every nn.Linear a
     FastLinear (packed for oneDNN on the CPU, row tiles in bf16/fp16), every Attention a
-    TiledAttention, the greedy argmax by block maxima; with `compile`, the decoding step
-    compiled (compile_step). Decode in the model's dtype: cast it before (model.to)."""
+    TiledAttention, its greedy pick by block maxima (FastQwen2.argmax); with `compile`, the
+    decoding step compiled (compile_step). Only the model changes, no name of a core module.
+    Decode in the model's dtype: cast it before (model.to)."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = FastLinear
@@ -126,7 +141,6 @@ def make_fast(model: Qwen2, compile: bool = False) -> FastQwen2:
             module.__class__ = TiledAttention
     model.__class__ = FastQwen2
     pack(model)
-    argmax.install()
     if compile:
         compile_step(model)
     return model

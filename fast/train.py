@@ -1,9 +1,10 @@
 """A static, sync-free MARS training step (issue 50): mars.mars_loss with fixed shapes.
 
-mars.mars_loss is the reference: it finds the loss-carrying targets with `nonzero`, sizes the
-noisy window with `int(...)` and applies the LM head to exactly the n targets, so every
-micro-batch has its own shapes and two host syncs, and torch.compile breaks its graph there.
-Here the same loss is computed with shapes fixed by the batch alone:
+fast.window.mars_loss_windowed runs mars.mars_loss over the two-stream window: it finds the
+loss-carrying targets with `nonzero`, sizes the noisy window with `int(...)` and applies the LM
+head to exactly the n targets, so every micro-batch has its own shapes and two host syncs, and
+torch.compile breaks its graph there. Here the same loss is computed with shapes fixed by the
+batch alone (the model made ready by fast.window.use_two_stream):
 
   * `static_batch` pads the rows to a length on a ladder (`bucket` tokens times a power of
     two) and sizes the noisy window on the host, before the batch is copied to the device
@@ -20,8 +21,8 @@ every real token, and a noisy block of pads is read by nothing), nor does a wide
 this is the reference's loss, proven equal with its gradients in float64 (tests/test_fast_train.py).
 What it costs: the head runs on the prompt's outputs too. L_AR may be the KL to a teacher
 (ar_target = "teacher": `static_teacher` lays make_teacher's rows out on the outputs, on the host,
-and fast.loss.linear_teacher_kl takes it in chunks); the 1/t row weights stay the reference's
-(mars_loss).
+and fast.loss.linear_teacher_kl takes it in chunks), and each row's L_mask may carry a weight (the
+1/t of inv_t_weight). `static_layout` is what train.py's step_batch runs on the host for it.
 """
 
 import math
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from fast.loss import linear_cross_entropy, linear_teacher_kl
-from mars import IGNORE, noisy_window, two_stream_window
+from fast.window import noisy_window, require_two_stream, two_stream_window
+from mars import IGNORE
 
 
 def ladder(n, unit):
@@ -64,11 +66,15 @@ def targets_of(labels):
     return target, (target != IGNORE).sum(1)
 
 
-def per_sequence_mean(ce, count):
+def per_sequence_mean(ce, count, row_weight=None):
     """mars._per_sequence_mean from a (N, T) loss with zeros where there is no target and the
-    (N,) target counts: each row's mean, averaged over the rows that have a target."""
+    (N,) target counts: each row's mean (times its row_weight (N,), if given), averaged over the
+    rows that have a target."""
     has = count > 0
-    return (ce.sum(1) / count.clamp(min=1) * has).sum() / has.sum().clamp(min=1)
+    mean = ce.sum(1) / count.clamp(min=1) * has  # (N,)
+    if row_weight is not None:
+        mean = mean * row_weight.to(mean.dtype)
+    return mean.sum() / has.sum().clamp(min=1)
 
 
 def static_teacher(teacher, labels):
@@ -101,12 +107,14 @@ def clean_loss(h, weight, labels, teacher, chunk):
 
 
 def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bidirectional=False,
-                     chunk=1024, flex=False, teacher=None):
-    """mars.mars_loss(..., trim_noisy=True) of a static_batch: (loss, l_mask, l_ar). flex: hand
-    the layers a fast.flex.FlexMask (the model's attention swapped by fast.flex.use_flex runs it
-    with flex_attention; a plain Attention reads its dense rows). teacher: a static_teacher (L_AR
-    the KL to it, mars_loss's ar_teacher), else CE on the tokens."""
+                     noisy_row_weight=None, ar_teacher=None, chunk=1024, flex=False):
+    """mars.mars_loss of a static_batch (its window: static_batch's): (loss, l_mask, l_ar), on a
+    model made ready by fast.window.use_two_stream. ar_teacher: a static_teacher (L_AR the KL to
+    it), else CE on the tokens; noisy_row_weight (N,): mars_loss's. flex: hand the layers a
+    fast.flex.FlexMask (the attention fast.flex.use_flex swapped in runs it with flex_attention;
+    a TwoStreamAttention reads its dense rows)."""
     N, l = ids.shape
+    require_two_stream(model)
     inputs, position_ids, mask, start = two_stream_window(ids, labels, mask_id, block_size, bidirectional,
                                                           window=window)
     W = inputs.shape[1] - l
@@ -119,16 +127,31 @@ def mars_loss_static(model, ids, labels, window, mask_id, block_size, w=1.0, bid
     target, count = targets_of(labels)  # (N, l), (N,)
     kept = start[:, None] + torch.arange(W, device=ids.device)  # (N, W): the noisy positions in the window
     noisy = linear_cross_entropy(h[:, l:].reshape(-1, C), weight, target.gather(1, kept).reshape(-1), chunk)
-    l_mask = per_sequence_mean(noisy.view(N, W), count)
+    l_mask = per_sequence_mean(noisy.view(N, W), count, noisy_row_weight)
     if w == 0:
         return l_mask, l_mask, torch.full_like(l_mask, float("nan")).detach()
-    l_ar = per_sequence_mean(clean_loss(h[:, :l], weight, labels, teacher, chunk), count)
+    l_ar = per_sequence_mean(clean_loss(h[:, :l], weight, labels, ar_teacher, chunk), count)
     return l_mask + w * l_ar, l_mask, l_ar
 
 
-def ar_loss_static(model, ids, labels, chunk=1024, teacher=None):
+def ar_loss_static(model, ids, labels, ar_teacher=None, chunk=1024):
     """mars.ar_loss (plain AR SFT, §2) of a static_batch: every output with its target (or its
     static_teacher's KL)."""
     _, count = targets_of(labels)
-    ce = clean_loss(model.hidden(ids), model.lm_head.weight, labels, teacher, chunk)
+    ce = clean_loss(model.hidden(ids), model.lm_head.weight, labels, ar_teacher, chunk)
     return per_sequence_mean(ce, count)
+
+
+def static_layout(batch, device, pad_id, block_size, bucket=16):
+    """A micro-batch made on the host, train.step_batch's {"ids", "labels", "ar_teacher"}, laid
+    out for the static step, then copied to `device`: the rows bucketed and the noisy window sized
+    (static_batch, adding "window"), the teacher laid out on the outputs (static_teacher), all on
+    the host, so the step reads nothing back; on CUDA the copy is from pinned memory and does not
+    wait for the device."""
+    ids, labels, (start, W) = static_batch(batch["ids"], batch["labels"], pad_id, block_size, bucket)
+    teacher = batch["ar_teacher"]
+    teacher = None if teacher is None else static_teacher(teacher, labels)
+    pin = device.type == "cuda"
+    to = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=True)  # noqa: E731
+    return {"ids": to(ids), "labels": to(labels), "window": (to(start), W),
+            "ar_teacher": None if teacher is None else {k: to(v) for k, v in teacher.items()}}

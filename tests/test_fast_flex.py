@@ -1,15 +1,16 @@
 """Proofs for fast/flex.py: the two-stream mask_mod is mars_attention_mask's rule on every
-(query, key) pair of the rows training runs (two_stream_window, trimmed or not, several B and
-lengths, bidirectional too); its BlockMask skips no tile holding an allowed pair; flex_attention
-over it equals model.attend with the dense mask, in float64 (forward only: on the CPU flex has
-no backward)."""
+(query, key) pair of the rows training runs (fast.window.two_stream_window, trimmed or not,
+several B and lengths, bidirectional too); its BlockMask skips no tile holding an allowed pair;
+flex_attention over it equals model.attend with the dense mask, in float64 (forward only: on the
+CPU flex has no backward)."""
 
 import pytest
 import torch
 
 from fast.flex import flex_attend, two_stream_block_mask, two_stream_mask_mod
-from mars import IGNORE, mars_attention_mask, two_stream_window
-from model import attend, build_mask
+from fast.window import two_stream_window
+from mars import IGNORE, mars_attention_mask
+from model import attend
 
 
 def rows_of(lengths, prompt, l):
@@ -69,12 +70,12 @@ def test_no_allowed_pair_falls_in_a_skipped_block(B, lengths, prompt, l):
 def test_flex_forward_equals_dense_attention_in_float64():
     B, l = 4, 32
     ids, labels = rows_of([13, 6], 5, l)
-    inputs, _, mask, start = two_stream_window(ids, labels, 15, B)
+    inputs, _, _, start = two_stream_window(ids, labels, 15, B)
     N, T = inputs.shape
     g = torch.Generator().manual_seed(0)
     q = torch.randn(N, 4, T, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(N, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    ref = attend(q, k, v, build_mask(T, mask), 8 ** -0.5)
+    ref = attend(q, k, v, dense(l, B, start, T - l, False)[:, None], 8 ** -0.5)  # the rule's dense mask
     ours = flex_attend(q, k, v, two_stream_block_mask(l, T - l, B, start, tile=8), 8 ** -0.5)
     assert torch.allclose(ours, ref, atol=1e-12, rtol=0)
     wrong = flex_attend(q, k, v, two_stream_block_mask(l, T - l, B + 1, start, tile=8), 8 ** -0.5)
@@ -97,25 +98,26 @@ def dense_flex(q, k, v, block_mask, scale):
 def test_the_static_step_with_flex_is_the_reference_step(monkeypatch, B, lengths, bidirectional):
     """fast.train.mars_loss_static(flex=True) on a model whose attention use_flex swapped: with the
     real flex_attention (forward; the CPU has no flex backward) its loss is mars.mars_loss's, and
-    with flex replaced by its dense mask its loss and every gradient are (float64); the plain
-    model reads the FlexMask's dense rows, the same loss. A block mask of the other rule (causal
-and bidirectional swapped) gives another loss: the check sees the mask."""
+    with flex replaced by its dense mask its loss and every gradient are (float64); a model made
+    by fast.window.use_two_stream alone reads the FlexMask's dense rows, the same loss. A block
+    mask of the other rule (causal and bidirectional swapped) gives another loss: the check sees
+    the mask."""
     import copy
 
-    from test_fast_paths import MASK, PAD, REL64, close, ragged_batch, tiny_model
-    from test_fast_train import loss_and_grads
+    from test_fast_paths import MASK, PAD, REL64, close, loss_and_grads, ragged_batch, tiny_model
 
     import fast.flex
     from fast.flex import use_flex
     from fast.train import mars_loss_static, static_batch
+    from fast.window import use_two_stream
     from mars import mars_loss
 
     ids, labels = ragged_batch(B, lengths, seed=B)
     model = tiny_model(0, 2).double()
-    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, 1.0, bidirectional,
-                                                  trim_noisy=True))
+    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, 1.0, bidirectional))
     x, y, window = static_batch(ids, labels, PAD, B, 16)
     flexed = use_flex(copy.deepcopy(model))
+    model = use_two_stream(model)
     assert {type(m).__name__ for m in flexed.modules()} >= {"FlexTwoStreamAttention"}
     with torch.no_grad():  # the real flex_attention
         real = mars_loss_static(flexed, x, y, window, MASK, B, 1.0, bidirectional, flex=True)[0]

@@ -1,40 +1,37 @@
 """Proofs for fast/train.py, the static MARS step: its loss and gradients are mars.mars_loss's
-(float64) on ragged rows, whatever the bucket (rows padded with pads, a wider noisy window) and
-the chunk of the LM head; w = 0 and the bidirectional ablation too; the buckets are few; and the
-loss compiles whole
+(the textbook forward; float64) on ragged rows, whatever the bucket (rows padded with pads, a
+wider noisy window) and the chunk of the LM head; w = 0, the bidirectional ablation and the 1/t
+row weights too; the buckets are few; and the loss compiles whole
 (fullgraph=True, dynamo's aot_eager backend) with one graph per bucketed shape: 20 steps of mixed
 lengths build no more graphs than they have shapes, and never break."""
+
+import copy
 
 import pytest
 import torch
 from conftest import graphs_built
-from test_fast_paths import MASK, PAD, REL64, close, ragged_batch, tiny_model
+from test_fast_paths import MASK, PAD, REL64, close, loss_and_grads, ragged_batch, tiny_model
 
 from fast.train import mars_loss_static, static_batch
+from fast.window import use_two_stream
 from mars import mars_loss
-
-
-def loss_and_grads(model, fn):
-    model.zero_grad(set_to_none=True)
-    loss, l_mask, l_ar = fn()
-    loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    return loss.detach(), l_mask.detach(), l_ar.detach(), grads
 
 
 @pytest.mark.parametrize("B,lengths", [(4, (13, 7, 20)), (2, (9, 6)), (8, (21, 5)), (1, (6, 11)),
                                        (3, (16, 4, 10))])
 @pytest.mark.parametrize("bucket,chunk", [(1, 7), (16, 1024), (32, 5)])
-@pytest.mark.parametrize("w,bidirectional", [(1.0, False), (0.0, False), (1.0, True)])
-def test_static_loss_and_gradients_equal_the_reference(B, lengths, bucket, chunk, w, bidirectional):
+@pytest.mark.parametrize("w,bidirectional,weighted", [(1.0, False, False), (0.0, False, False),
+                                                    (1.0, True, False), (1.0, False, True)])
+def test_static_loss_and_gradients_equal_the_reference(B, lengths, bucket, chunk, w, bidirectional, weighted):
     ids, labels = ragged_batch(B, lengths, seed=B)
     model = tiny_model(0, 2).double()
-    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, w, bidirectional,
-                                                  trim_noisy=True))
+    weight = torch.linspace(0.5, 7.0, ids.shape[0], dtype=torch.float64) if weighted else None
+    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, w, bidirectional, weight))
+    model = use_two_stream(copy.deepcopy(model))
     x, y, window = static_batch(ids, labels, PAD, B, bucket)
     assert x.shape[1] % bucket == 0 and window[1] % B == 0 and window[1] <= x.shape[1]
     ours = loss_and_grads(model, lambda: mars_loss_static(model, x, y, window, MASK, B, w, bidirectional,
-                                                          chunk))
+                                                          weight, chunk=chunk))
     assert close(ours[0], ref[0], REL64) and close(ours[1], ref[1], REL64)
     assert torch.isnan(ours[2]) if w == 0 else close(ours[2], ref[2], REL64)
     for k in ref[3]:
@@ -69,7 +66,7 @@ def test_the_buckets_are_few_and_hold_every_row_and_window():
 def test_the_static_loss_compiles_whole_without_recompiling_per_batch(fresh_dynamo):
     """20 steps of mixed row lengths, bucketed to 16 tokens: fullgraph=True (a graph break would
     raise), and dynamo builds one graph per (rows, window) shape, not one per batch."""
-    model = tiny_model(1, 2)
+    model = use_two_stream(tiny_model(1, 2))
     step = torch.compile(mars_loss_static, backend="aot_eager", fullgraph=True, dynamic=False)
     shapes, before = set(), graphs_built()
     g = torch.Generator().manual_seed(0)
@@ -178,8 +175,9 @@ def test_a_static_training_step_reads_back_once(monkeypatch, data_dir, tmp_path)
 
 
 def test_the_count_sees_the_reference_steps_read_backs(monkeypatch, data_dir, tmp_path):
-    """The reference step reads back inside its loss (mars.py's nonzero, and int in the MARS
-    stage): the count tells the two steps apart."""
+    """The eager step (compile=false, the engine's windowed loss by default) reads back inside
+    its loss (mars.py's nonzero, and fast.window.noisy_window's int in the MARS stage): the count
+    tells the two steps apart."""
     reference = reads_per_step(monkeypatch, data_dir, tmp_path, "false")
     assert len(reference) == 4 and all(r.count("nonzero") >= 2 for r in reference), reference
     assert all("__int__" in r for r in reference[2:]), reference
@@ -190,21 +188,19 @@ def test_static_loss_with_a_teacher_equals_the_reference(B, lengths, bucket):
     """ar_target = "teacher": the static MARS and AR losses, L_AR the KL to make_teacher-shaped
     rows laid out by static_teacher, give mars.mars_loss(ar_teacher=...)'s and mars.ar_loss's
     loss, l_mask, l_ar and every gradient (float64); a teacher shifted by one target differs."""
+    from test_fast_paths import random_teacher
+
     from fast.train import ar_loss_static, static_teacher
-    from mars import IGNORE, ar_loss
+    from mars import ar_loss
 
     ids, labels = ragged_batch(B, lengths, seed=B)
-    model = tiny_model(0, 2).double()
-    n, k, V = int((labels[:, 1:] != IGNORE).sum()), 8, model.config.vocab_size
-    g = torch.Generator().manual_seed(B)
-    top = torch.log_softmax(2 * torch.randn(n, V, generator=g, dtype=torch.float64), -1).topk(k, -1)
-    teacher = {"logp": top.values, "ids": top.indices, "rest": 1 - top.values.exp().sum(-1)}
+    model = use_two_stream(tiny_model(0, 2).double())  # with a tensor mask it is the reference model
+    teacher = random_teacher(labels, model.config.vocab_size, 8, B)
     x, y, window = static_batch(ids, labels, PAD, B, bucket)
     laid = static_teacher(teacher, y)
-    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, 1.0, trim_noisy=True,
-                                                  ar_teacher=teacher))
+    ref = loss_and_grads(model, lambda: mars_loss(model, ids, labels, MASK, B, 1.0, ar_teacher=teacher))
     ours = loss_and_grads(model, lambda: mars_loss_static(model, x, y, window, MASK, B, 1.0, chunk=5,
-                                                          teacher=laid))
+                                                          ar_teacher=laid))
     for a, b in zip(ours[:3], ref[:3]):
         assert close(a, b, REL64)
     for key in ref[3]:
@@ -212,10 +208,10 @@ def test_static_loss_with_a_teacher_equals_the_reference(B, lengths, bucket):
     l_ar = ref[2]
     ar = lambda f: (lambda: (f(), f(), f()))  # noqa: E731  (loss_and_grads takes a triple)
     ref = loss_and_grads(model, ar(lambda: ar_loss(model, ids, labels, teacher)))
-    ours = loss_and_grads(model, ar(lambda: ar_loss_static(model, x, y, chunk=7, teacher=laid)))
+    ours = loss_and_grads(model, ar(lambda: ar_loss_static(model, x, y, laid, chunk=7)))
     assert close(ours[0], ref[0], REL64) and all(close(ours[3][k], ref[3][k], REL64) for k in ref[3])
     shifted = {key: v.roll(1, 0) for key, v in teacher.items()}
-    other = mars_loss_static(model, x, y, window, MASK, B, 1.0, teacher=static_teacher(shifted, y))
+    other = mars_loss_static(model, x, y, window, MASK, B, 1.0, ar_teacher=static_teacher(shifted, y))
     assert not close(other[2].detach(), l_ar, 1e-6)
 
 

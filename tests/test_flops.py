@@ -8,7 +8,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mars import IGNORE, ar_loss, mars_loss, noisy_window
+from fast.window import mars_loss_windowed, noisy_window, use_two_stream
+from mars import IGNORE, ar_loss
 from model import Qwen2, Qwen2Config, init_weights
 from util.flops import ar_step_flops, mars_step_flops
 
@@ -40,6 +41,6 @@ def test_the_formula_counts_what_the_flop_counter_counts(bias, n_kv, l, prompt, 
     targets = int((labels[:, 1:] != IGNORE).sum())
     _, W = noisy_window(labels, 4)
     assert W < l  # the window is trimmed: the count follows it
-    assert counted(lambda: mars_loss(model, ids, labels, 46, 4, w_ar, trim_noisy=True)[0]) == \
+    assert counted(lambda: mars_loss_windowed(use_two_stream(model), ids, labels, 46, 4, w_ar)[0]) == \
         mars_step_flops(cfg, 3, l, W, targets, w_ar)
     assert counted(lambda: ar_loss(model, ids, labels)) == ar_step_flops(cfg, 3, l, targets)

@@ -145,6 +145,22 @@ def test_two_stream_batch_layout():
     assert pos.tolist() == [list(range(l)) * 2] * ids.shape[0]
 
 
+def test_mars_loss_is_one_forward_over_both_streams_with_the_full_mask(models):
+    """The textbook forward of §3, what a student steps through: mars_loss calls model.hidden
+    once, on [clean | noisy] (N, 2l) with position ids 0..l-1 in each stream and the (2l, 2l)
+    mask of the rule written out, as a tensor."""
+    _, ours = models
+    ids, labels = make_batch(4)
+    calls, hidden = [], ours.hidden
+    with pytest.MonkeyPatch.context() as m, torch.no_grad():
+        m.setattr(ours, "hidden", lambda *a: calls.append(a) or hidden(*a))
+        mars_loss(ours, ids, labels, MASK, 4)
+    [(inputs, pos, mask)] = calls
+    want_inputs, want_pos = two_stream_batch(ids, labels, MASK)
+    assert torch.equal(inputs, want_inputs) and torch.equal(pos, want_pos)
+    assert torch.equal(mask, brute_force_mask(ids.shape[1], 4))
+
+
 # ----------------------------------------------------------------------------- §3 one pass = many passes
 def two_stream_logits(model, ids, labels, B, bidirectional=False):
     """Full logits (N, 2l, V) of the MARS forward, built only from mars.py's pieces."""

@@ -40,6 +40,8 @@ def test_settings_overrides_and_errors(tmp_path):
                       (["--dtype=float16"], "dtype must be"),
                       (["--block_size=0"], "block_size must be >= 1"),
                       (["--flex_attention=true"], "flex_attention=true needs compile=true"),
+                      (["--compile=true", "--fast_loss=false", "--flex_attention=true"], "fast_loss=true"),
+                      (["--two_stream=false"], "setting 'two_stream' is gone: use fast_loss"),
                       (["--config", str(tmp_path / "absent.json")], "absent.json")):
         with pytest.raises(SystemExit, match=re.escape(err)):
             parse_settings(argv)
@@ -48,6 +50,9 @@ def test_settings_overrides_and_errors(tmp_path):
         parse_settings(["--config", str(cfg)])
     cfg.write_text(json.dumps({"n_layers": 3}))
     with pytest.raises(SystemExit, match=re.escape(f"{cfg}: unknown setting 'n_layers'")):
+        parse_settings(["--config", str(cfg)])
+    cfg.write_text(json.dumps({"trim_noisy": True}))  # a config of before issue 55: told what replaced it
+    with pytest.raises(SystemExit, match=re.escape(f"{cfg}: setting 'trim_noisy' is gone: use fast_loss")):
         parse_settings(["--config", str(cfg)])
 
 
@@ -142,5 +147,5 @@ def test_compile_wraps_the_loss_module_and_the_steps_run_through_the_compiled_on
         assert (type(r.runner) is Recorder and r.runner.net is r.net) if on else r.runner is r.net
         r.net.stage = "mars"
         train.train_step(r, train.make_optimizer(r.net, S, r.device), "mars", 0)
-        train.val_loss(r.runner, r.net, data, S, special, 0, 1, r.device, r.amp)
+        train.val_loss(r)
         assert (r.runner.n == 2) if on else not calls  # one micro-batch, one validation batch
