@@ -1,5 +1,5 @@
 """Decoding plumbing shared by every decoder: what a step yields, the live τ, request
-checks, the one EOS/budget cut, and collecting results (docs/spec.md §5).
+checks, the model's greedy pick, the one EOS/budget cut, and collecting results (docs/spec.md §5).
 
 generate.py (the τ-gated loop, §5-§6), exact.py (exact mode) and chat.py all build on
 this file, and it imports none of them (only the sampling kernels, sampling.py). It knows
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sampling import Sampling, row_generators
+from sampling import Sampling, argmax, row_generators
 
 
 @dataclass
@@ -32,6 +32,12 @@ class Step:
     done: list[bool]  # row finished (EOS kept or max_new_tokens reached), after this step
     forwards: int  # model forwards so far, all rows together (prefill and block extensions too)
     tau: float  # the τ this step used (1.0 for AR and exact mode)
+    # what the step's forward proposed, per row, for `generate.py --show` (show.py); None where a
+    # decoder does not record it (the device loop), [] for a row the step did not decode
+    proposed: list[list[int]] | None = None  # τ mode: the candidates c_0..; exact: the drafts verified
+    conf: list[list[float]] | None = None  # τ mode: the candidates' confidences (None in AR mode)
+    accepted: list[int] | None = None  # tokens the rule kept, before the EOS / budget cut
+    committed: list[int] | None = None  # tokens written to the KV cache since the last step
 
     @property
     def counts(self) -> list[int]:
@@ -98,6 +104,14 @@ def logits_at(model, h, start, n):
     idx = start[:, None] + torch.arange(n, device=h.device)  # (N, n)
     h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))  # (N, n, C)
     return model.lm_head(h)
+
+
+def greedy_pick(model):
+    """The greedy pick (sampling.argmax's answer) a decoder uses with `model`: the model's own
+    `argmax` where it brings one (the engine's FastQwen2: block maxima, faster on the CPU,
+    fast/argmax.py), else sampling.argmax. The decoders hand it to sampling.pick and
+    sample_drafts; nothing is replaced for the process."""
+    return getattr(model, "argmax", argmax)
 
 
 def streams(sampling, generators, n_rows, device):

@@ -65,9 +65,9 @@ import functools
 
 import torch
 
-from decoding import Rows, Step, check_request, collect, logits_at, pad_rows, streams
+from decoding import Rows, Step, check_request, collect, greedy_pick, logits_at, pad_rows, streams
 from mars import exact_attention_mask
-from sampling import GREEDY, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
+from sampling import GREEDY, argmax, greedy_accept, pick, processed_probs, sample_drafts, speculative_accept
 
 
 # ---------------------------------------------------------------- one step
@@ -94,7 +94,7 @@ def step_layout(k, group_size, device):
     return offsets, exact_attention_mask(k, group_size, device)
 
 
-def verify(logits, drafts, q, sampling=GREEDY, gens=None):
+def verify(logits, drafts, q, sampling=GREEDY, gens=None, argmax=argmax):
     """How many drafts each row accepts, and the bonus token after them: speculative
     sampling against the AR path of the same forward (sampling.speculative_accept).
 
@@ -105,22 +105,22 @@ def verify(logits, drafts, q, sampling=GREEDY, gens=None):
     rejection draw the bonus from normalise(max(0, p - q)), after the last draft from p.
     At temperature 0 (one-hot p, q) the same rule reads only the argmaxes
     (sampling.greedy_accept): accept while d_i == the AR argmax; the bonus is the argmax
-    after the last accepted draft. -> a (N,), bonus (N,)."""
+    after the last accepted draft (`argmax`: the model's greedy pick). -> a (N,), bonus (N,)."""
     k, device = max(map(len, drafts)), logits.device
     logits = logits[:, : 1 + k]  # (N, 1+k, V): the AR outputs
     n = torch.tensor([len(d) for d in drafts], device=device)  # (N,): real drafts per row
     d = pad_rows(drafts, 0, device) if k else n[:, None][:, :0]  # (N, k); padding never tested
     if sampling.greedy:
-        return greedy_accept(pick(logits, GREEDY), d, n)
+        return greedy_accept(pick(logits, GREEDY, argmax=argmax), d, n)
     return speculative_accept(processed_probs(logits, sampling), q[:, :k], d, n, gens)
 
 
-def draft(logits, threshold, sampling=GREEDY, gens=None):
+def draft(logits, threshold, sampling=GREEDY, gens=None, argmax=argmax):
     """Mask logits (N, g, V) -> (drafts per row, q (N, g, V)): d ~ q = the processed
     distribution (the argmaxes at temperature 0, q None), cut before the first position
     whose fp32 softmax probability of its argmax is below `threshold` (0 keeps all g); q is
-    kept for the next step's verification (sampling.sample_drafts)."""
-    d, n, q = sample_drafts(logits, sampling, gens, threshold)  # (N, g), (N,), (N, g, V)
+    kept for the next step's verification (sampling.sample_drafts; `argmax`: the model's greedy pick)."""
+    d, n, q = sample_drafts(logits, sampling, gens, threshold, argmax)  # (N, g), (N,), (N, g, V)
     return [row[:k] for row, k in zip(d.tolist(), n.tolist())], q
 
 
@@ -161,6 +161,7 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     check_request(model, prompts, block_size, 1.0, max_new_tokens, mask_id)
     check_exact(drafts, block_size, draft_threshold)
     K, eos_ids, s = drafts, tuple(eos_ids), sampling
+    top = greedy_pick(model)  # the model's greedy pick: sampling.argmax's answer
     prompts = [list(map(int, p)) for p in prompts]
     N, device = len(prompts), next(model.parameters()).device
     cache = model.new_cache(N, max(map(len, prompts)) + max_new_tokens, step=(1 + K) ** 2)
@@ -171,11 +172,12 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
     h = model.hidden(pad_rows([p + [mask_id] * K for p in prompts], mask_id, device), cache=cache)
     cache.commit(lens)
     logits = logits_at(model, h, lens - 1, 1 + K)  # (N, 1+K, V): last prompt token, G_0
-    c0 = pick(logits[:, :1], s, gens)[:, 0].tolist()  # the AR token after the prompt
-    d, q = draft(logits[:, 1:], draft_threshold, s, gens)  # drafts, and q (N, K, V) for the next step
+    c0 = pick(logits[:, :1], s, gens, top)[:, 0].tolist()  # the AR token after the prompt
+    d, q = draft(logits[:, 1:], draft_threshold, s, gens, top)  # drafts, and q (N, K, V) for the next step
     forwards = 1
     new = rows.keep([[c] for c in c0])
-    yield Step(new, list(rows.done), forwards, 1.0)
+    yield Step(new, list(rows.done), forwards, 1.0, proposed=[[] for _ in prompts], accepted=[1] * N,
+               committed=[len(p) for p in prompts])  # what --show prints (show.py)
 
     while not all(rows.done):
         # drafts past the budget could never be emitted: do not forward them
@@ -187,13 +189,15 @@ def exact_steps(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, 
         # weights again (results/SPEED.md, issue 22)
         logits = model.lm_head(model.hidden(tokens, positions, mask, cache))  # (N, T, V)
         forwards += 1
-        a, bonus = verify(logits, d, q, s, gens)
-        d_next, q = draft(group_logits(logits, a, k, K), draft_threshold, s, gens)
+        a, bonus = verify(logits, d, q, s, gens, top)
+        d_next, q = draft(group_logits(logits, a, k, K), draft_threshold, s, gens, top)
         emitted = [d[b][:n] + [c] for b, (n, c) in enumerate(zip(a.tolist(), bonus.tolist()))]
         new = rows.keep(emitted)
         keep_verified(cache, a, ~torch.tensor(rows.done, device=device))
+        shown = dict(proposed=d, accepted=[len(e) for e in emitted],  # for --show (show.py)
+                     committed=[0 if done else len(e) for e, done in zip(emitted, rows.done)])
         c0, d = bonus.tolist(), d_next
-        yield Step(new, list(rows.done), forwards, 1.0)
+        yield Step(new, list(rows.done), forwards, 1.0, **shown)
 
 
 def generate_exact(model, prompts, *, block_size, drafts, max_new_tokens, mask_id, eos_ids=(),

@@ -71,8 +71,3 @@ class KVCache:
         """Keep the first n[b] tokens of the last forward of row b (n: int or (N,) tensor)."""
         self.lengths += torch.as_tensor(n, dtype=torch.long, device=self.lengths.device)
         self.T = None
-
-    def truncate(self, lengths):
-        """Forget everything past `lengths` (N,) — e.g. rejected tokens."""
-        self.lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device).clone()
-        self.T = None

@@ -6,7 +6,8 @@ decoders (generate.py, exact.py) call these on the logits they read.
   processed_probs(logits, s)   temperature, then top-k, then top-p, then softmax: exactly
                                Hugging Face's warpers, in HF's order, >= 1 token kept
   argmax(logits)               the float32 argmax, first index on ties
-  pick(logits, s, gens)        temperature 0: argmax (the greedy rule of §5.2, unchanged);
+  pick(logits, s, gens)        temperature 0: argmax (the greedy rule of §5.2, unchanged; a
+                               decoder hands it its model's: decoding.greedy_pick);
                                else one draw from processed_probs
   confidence / confident       the number compared with τ (§5.3-4) and the comparison
   sample_drafts(logits, s, gens, threshold)        exact mode's drafts d ~ q and q itself
@@ -89,7 +90,8 @@ def row_generators(seed, n_rows, device):
 # ---------------------------------------------------------------- the greedy token
 def argmax(logits):
     """The index of the largest float32 logit, the first one on ties (NaN counts as the
-    largest): the greedy token of §5.2. fast.make_fast replaces it, for the whole process, with
+    largest): the greedy token of §5.2. pick and sample_drafts take it as a default: a decoder
+    passes its model's greedy pick (decoding.greedy_pick), which for the engine's model is
     fast.argmax.block_argmax, the same answer faster on the CPU."""
     return logits.float().argmax(-1)
 
@@ -134,11 +136,11 @@ def categorical(probs, gens):
     return torch.stack([draw(probs[b], g) for b, g in enumerate(gens)])
 
 
-def pick(logits, s, gens=None):
+def pick(logits, s, gens=None, argmax=argmax):
     """The token at each position: logits (N, ..., V) -> (N, ...). Temperature 0 is the
-    argmax of the float32 logits (today's greedy rule, no randomness used); otherwise a
-    draw from processed_probs: with per-row generators, one multinomial per row over that
-    row's positions, from the row's own stream, whatever the other rows are."""
+    argmax of the float32 logits (today's greedy rule, no randomness used; `argmax` computes
+    it); otherwise a draw from processed_probs: with per-row generators, one multinomial per
+    row over that row's positions, from the row's own stream, whatever the other rows are."""
     if s.greedy:
         return argmax(logits)
     return categorical(processed_probs(logits, s), gens)
@@ -172,7 +174,7 @@ def confident(conf, tau, metric="probability"):
 
 
 # ---------------------------------------------------------------- exact mode (speculative)
-def sample_drafts(logits, s, gens=None, threshold=0.0):
+def sample_drafts(logits, s, gens=None, threshold=0.0, argmax=argmax):
     """Exact mode's drafts from mask logits (N, g, V) -> d (N, g), n (N,), q (N, g, V).
 
     q = processed_probs(logits): the draft distribution, to be kept for the verification
@@ -182,7 +184,8 @@ def sample_drafts(logits, s, gens=None, threshold=0.0):
     probability of their argmax is >= threshold (threshold 0 keeps all g, no softmax
     computed). The cut reads the position's distribution, never the drawn d, so it cannot
     bias the drafts (a cut on p(d_i) would make the kept d_i follow q restricted, not q);
-    at temperature 0 d is that argmax, so it is exact.py's greedy cut unchanged."""
+    at temperature 0 d is that argmax, so it is exact.py's greedy cut unchanged. `argmax`
+    computes the argmaxes (pick's)."""
     top = argmax(logits)  # (N, g)
     n = torch.full(top.shape[:1], top.shape[1], dtype=torch.long, device=top.device)  # (N,)
     if threshold > 0:  # raw prob of each argmax

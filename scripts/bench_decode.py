@@ -46,15 +46,12 @@ import contextlib
 import statistics
 import sys
 import time
-from unittest import mock
 
 import torch
 
-import sampling
 from exact import exact_steps
-from fast.argmax import block_argmax
 from fast.linear import FastLinear, pack
-from fast.step import FastQwen2, compile_step
+from fast.step import compile_step, switch_step
 from generate import ar_decode, mars_decode
 from scripts.common import QUESTIONS, add_model_args, dtype_list, ints, load_for_bench, machine, make_prompts
 from util.precision import dtype_name
@@ -75,17 +72,10 @@ def decoders(args, model, mask_id, eos_ids):
         out[f"exact K={K} B={B}"] = lambda p, K=K: exact_steps(
             model, p, block_size=B, drafts=K, max_new_tokens=n, mask_id=mask_id, eos_ids=eos_ids)
     if args.compile and getattr(model, "compiled", False) is None:  # an engine, not yet compiled
-        step = compile_step(model).compiled
-        model.compiled = None
+        step = switch_step(compile_step(model), None)  # compiled, and off for the eager rows
         out.update({f"{name} compiled": each_step_in(lambda: compiled_step(model, step), dec)
                     for name, dec in list(out.items())})
-    # the reference's rows time the reference's argmax, though make_fast installed the engine's
-    pick = block_argmax if isinstance(model, FastQwen2) else REFERENCE_ARGMAX
-    argmax = lambda: mock.patch.object(sampling, "argmax", pick)
-    return {name: each_step_in(argmax, dec) for name, dec in out.items()}
-
-
-REFERENCE_ARGMAX = sampling.argmax  # before any make_fast installs the engine's
+    return out
 
 
 def each_step_in(context, dec):
@@ -106,11 +96,11 @@ def each_step_in(context, dec):
 def compiled_step(model, step):
     """model's decoding step compiled while inside (the cache a decoder makes in its first step
     is then static), eager after."""
-    model.compiled = step
+    before = switch_step(model, step)
     try:
         yield
     finally:
-        model.compiled = None
+        switch_step(model, before)
 
 
 def reference(name):

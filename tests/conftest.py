@@ -10,10 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import sampling
-
-REFERENCE_ARGMAX = sampling.argmax  # the reference's greedy pick, before any fast.make_fast
-
 torch.set_num_threads(1)  # one thread (see one_thread), from import on; tiny models run fastest so
 
 
@@ -45,15 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def reference_argmax(monkeypatch):
-    """Every test starts with the reference's greedy pick as sampling.argmax: fast.make_fast
-    installs the engine's (fast.argmax.install) for the whole process, and a proof about the
-    reference must not read the engine's because an earlier test made one. (A test of an engine
-    made by a module-scoped fixture installs it again: tests/test_exact.py's *_fast.)"""
-    monkeypatch.setattr(sampling, "argmax", REFERENCE_ARGMAX)
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ import torch
 
 import exact
 import fast
-import fast.argmax
 import fast.attention
 import fast.cache
 import fast.linear
@@ -383,7 +382,7 @@ def test_a_wrong_verification_fails(monkeypatch):
 
 # ----------------------------------------------------------------------------- on SmolLM2
 @pytest.fixture(scope="module")
-def smollm2_engine(smollm2_dir):
+def smollm2_bf16(smollm2_dir):
     """The real model in bf16 on the engine (fast.make_fast, as generate.py --fast opens it),
     general chat prompts and a reply length: 3 prompts and 32 tokens on a CPU with bf16 units,
     2 and 16 on one that emulates bf16 (a forward is ~10x slower there: the suite must stay
@@ -394,14 +393,6 @@ def smollm2_engine(smollm2_dir):
     prompts = [tok.encode_chat([{"role": "user", "content": c}], add_generation_prompt=True)
                for c in CHAT[:3 if units else 2]]
     return model, prompts, tok.mask_id, 32 if units else 16
-
-
-@pytest.fixture
-def smollm2_bf16(smollm2_engine):
-    """smollm2_engine with the engine's greedy pick (fast.argmax) installed, as make_fast installs
-    it: conftest gives every test the reference's."""
-    fast.argmax.install()
-    return smollm2_engine
 
 
 def test_smollm2_row_alone_is_the_row_among_others(smollm2_bf16):

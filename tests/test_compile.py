@@ -26,7 +26,7 @@ import fast
 from exact import generate_exact, step_input
 from fast.cache import FastCache
 from fast.linear import FastLinear, pack, packed_linear
-from fast.step import static_hidden
+from fast.step import static_hidden, switch_step
 from generate import generate, generate_ar
 from kvcache import KVCache
 from model import Qwen2, Qwen2Config, init_weights
@@ -79,7 +79,8 @@ def static_steps(engine):
             real.append((idx.shape[1], cache.width))
         return hidden(idx, position_ids, attn_mask, cache)
 
-    engine.compiled, engine.hidden = step, spy
+    switch_step(engine, step)
+    engine.hidden = spy
     return real, seen
 
 
@@ -226,7 +227,7 @@ def test_a_compiled_step_reads_no_length_back(dtype):
     the tiles and whole key blocks run too. The guard can fail: the reference's cache, which
     reads the lengths back once per forward, is refused by it."""
     engine = fast.make_fast(tiny(dtype))
-    engine.compiled = static_hidden  # the compiled step's code, run eagerly (no dynamo to hide a read)
+    switch_step(engine, static_hidden)  # the compiled step's code, run eagerly (no dynamo to hide a read)
     engine.to("meta")
     C = engine.config.hidden_size
     cache = engine.new_cache(2, 20, step=9)

@@ -2,8 +2,11 @@
 of generate.py and exact.py) made fast from outside, and nothing else:
 
   * the arrow runs one way: importing the core (model, mars, kvcache, decoding, exact,
-    sampling, generate, checkpoint) loads no module of fast/, nor does a default
+    sampling, generate, checkpoint, train) loads no module of fast/, nor does a default
     `generate.py` run (the reference); `--fast` does, and gives the reference's reply (HF's);
+    train.py names the engine in one function at most (its wiring, as nanoGPT's compile block);
+  * make_fast changes the model it is given and no name of a core module: every decoder
+    given the engine takes its greedy pick from it (its block argmax);
   * in exact arithmetic (float64) the engine computes the reference's numbers: for every
     decoder (AR, the τ loop with the window, the block cache and no cache, exact mode K = 1
     and 2), greedy and seeded sampling, on a ragged batch, the engine's tokens are the
@@ -22,6 +25,7 @@ of generate.py and exact.py) made fast from outside, and nothing else:
     reference saves, and transformers and our Qwen2 load it equal.
 """
 
+import ast
 import copy
 import json
 import os
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REFERENCE_ARGMAX, graphs_built, hf_greedy, make_hf_model
+from conftest import graphs_built, hf_greedy, make_hf_model
 from greedy_margin import assert_no_near_tie
 from safetensors.torch import load_file
 
@@ -45,7 +49,7 @@ from fast.argmax import block_argmax
 from fast.attention import TiledAttention
 from fast.cache import FastCache
 from fast.linear import FastLinear
-from fast.step import FastQwen2, static_hidden
+from fast.step import FastQwen2, static_hidden, switch_step
 from generate import generate, generate_ar
 from kvcache import KVCache
 from model import Attention, Qwen2, Qwen2Config, init_weights
@@ -54,7 +58,7 @@ from sampling import GREEDY, Sampling
 ROOT = Path(__file__).resolve().parent.parent
 V, MASK = 256, 255  # a vocabulary of two 128-wide blocks, so the block argmax runs its blocks
 ATOL64 = 1e-12  # float64 logits, two orders of the same sums: observed <= 4.3e-14 on logits up to 11.7 (23x)
-CORE = ("model", "mars", "kvcache", "decoding", "exact", "sampling", "generate", "checkpoint")
+CORE = ("model", "mars", "kvcache", "decoding", "exact", "sampling", "generate", "checkpoint", "train")
 FAST_MODULES = "sorted(m for m in sys.modules if m == 'fast' or m.startswith('fast.'))"
 
 
@@ -70,6 +74,38 @@ def test_the_core_imports_no_engine_module():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert {"fast", "fast.step", "fast.linear", "fast.cache", "fast.attention", "fast.argmax"} <= set(
         json.loads(out.stdout))
+
+
+def engine_references(node):
+    """Whether the code under an ast node names the engine: imports fast or fast.*, or reads `fast`."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "fast" for a in n.names):
+            return True
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "fast":
+            return True
+        if isinstance(n, ast.Name) and n.id == "fast":
+            return True
+    return False
+
+
+def test_train_py_wires_the_engine_in_one_place():
+    """Of train.py's functions (module-level, and the methods of its classes) at most one names
+    the engine: the wiring (the losses handed to StageLoss, the compile), in one place; every
+    other step of training is the reference's. (Importing train loads no fast module:
+    test_the_core_imports_no_engine_module.) The check reads code, not docstrings, and can fail:
+    a function with `from fast.train import ...` is seen (asserted on a sample)."""
+    assert engine_references(ast.parse("def f():\n    from fast.train import x\n"))
+    assert not engine_references(ast.parse('def f():\n    """fast/train.py"""\n'))
+    functions = {}
+    for node in ast.parse((ROOT / "train.py").read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            functions[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            functions |= {f"{node.name}.{f.name}": f for f in node.body
+                          if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    assert len(functions) > 5  # train.py read
+    wiring = sorted(name for name, f in functions.items() if engine_references(f))
+    assert len(wiring) <= 1, f"train.py's functions naming the engine (one place at most): {wiring}"
 
 
 def test_a_default_generate_run_is_the_reference_and_fast_is_the_engine(tmp_path):
@@ -118,19 +154,23 @@ def ragged(n=3, seed=0):
 SAMPLINGS = {"greedy": GREEDY, "sampled": Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=5)}
 
 
+def decoders(model, prompts, s, new=16):
+    """{decoder: a function running it on the prompts -> Generations}, every decoder with the
+    sampling s (rows seeded seed + b)."""
+    out = {"AR": lambda: generate_ar(model, prompts, new, sampling=s)}
+    for K in (1, 2):
+        out[f"exact K={K}"] = lambda K=K: generate_exact(model, prompts, block_size=4, drafts=K,
+                                                         max_new_tokens=new, mask_id=MASK, sampling=s)
+    for cache in ("window", "block", "none"):
+        out[cache] = lambda cache=cache: generate(model, prompts, block_size=4, tau=0.4, max_new_tokens=new,
+                                                  mask_id=MASK, cache=cache, block_cache_size=6, sampling=s)
+    return out
+
+
 def every_decoder(model, prompts, new=16):
-    """{(decoder, sampling): (ids, forwards) per row} for every decoder, greedy and sampled (rows
-    seeded seed + b)."""
-    out = {}
-    for name, s in SAMPLINGS.items():
-        out["AR", name] = generate_ar(model, prompts, new, sampling=s)
-        for K in (1, 2):
-            out[f"exact K={K}", name] = generate_exact(model, prompts, block_size=4, drafts=K,
-                                                      max_new_tokens=new, mask_id=MASK, sampling=s)
-        for cache in ("window", "block", "none"):
-            out[cache, name] = generate(model, prompts, block_size=4, tau=0.4, max_new_tokens=new,
-                                        mask_id=MASK, cache=cache, block_cache_size=6, sampling=s)
-    return {k: [(g.ids, g.forwards) for g in v] for k, v in out.items()}
+    """{(decoder, sampling): (ids, forwards) per row} for every decoder, greedy and sampled."""
+    return {(decoder, name): [(g.ids, g.forwards) for g in run()]
+            for name, s in SAMPLINGS.items() for decoder, run in decoders(model, prompts, s, new).items()}
 
 
 STEP_WIDTH = 9  # exact mode's at K = 2, the widest step of one_step
@@ -154,14 +194,11 @@ def one_step(model):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The reference model, its decoders' tokens and one_step's logits (computed with the
-    reference's greedy pick, whatever an earlier test installed)."""
+    """The reference model, its decoders' tokens and one_step's logits."""
     model = tiny(seed=5)  # a seed whose exact-mode drafts are right now and then (greedy and sampled)
     prompts = ragged()
     assert len(set(map(len, prompts))) > 1
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(sampling, "argmax", REFERENCE_ARGMAX)
-        tokens = every_decoder(model, prompts)
+    tokens = every_decoder(model, prompts)
     assert tokens["AR", "greedy"] != tokens["AR", "sampled"]  # the draws are not greedy
     for (decoder, name), rows in tokens.items():  # several tokens per forward: drafts and masks accepted
         if decoder == "block":  # (its forwards count the blocks' too) the no-cache loop's tokens
@@ -221,8 +258,8 @@ def test_the_engine_is_the_reference_in_float64(reference, case, monkeypatch):
         def counted(*args):
             static.append(args[1].shape)
             return static_hidden(*args)
-        engine.compiled = counted  # the compiled step's code, run eagerly
-    assert type(engine) is FastQwen2 and sampling.argmax is block_argmax
+        switch_step(engine, counted)  # the compiled step's code, run eagerly
+    assert type(engine) is FastQwen2 and engine.argmax is block_argmax
     assert engine(torch.tensor([[1, 2]])).dtype == torch.float64
     assert engine.new_cache(1, 4).static == (step is not None)
     assert engine.new_cache(1, 4).fixed_shapes == (tiles is not None)
@@ -243,6 +280,27 @@ def test_the_engine_is_the_reference_in_float64(reference, case, monkeypatch):
         assert static and all(shape[1] in (1, 4, 8, 9, 10) for shape in static)  # fixed widths
     if step not in (None, "static"):
         assert graphs_built() > before  # compiled: graphs were built, the steps ran through them
+
+
+def test_every_decoder_of_the_engine_picks_by_its_block_argmax(reference, monkeypatch):
+    """make_fast changes the model it is given and nothing of the core (sampling's names stay as
+    they were); every decoder given the engine takes its greedy pick from it: FastQwen2.argmax,
+    the block argmax (spied on here), on logits of two 128-wide blocks (its block path), with the
+    reference's tokens."""
+    model, prompts, ref_tokens, _ = reference
+    before = dict(vars(sampling))
+    engine = fast.make_fast(copy.deepcopy(model))
+    assert vars(sampling) == before and engine.argmax is block_argmax
+    calls = []
+
+    def counted(logits):
+        calls.append(logits.shape[-1])
+        return block_argmax(logits)
+    monkeypatch.setattr(engine, "argmax", counted)
+    for decoder, run in decoders(engine, prompts, GREEDY).items():
+        calls.clear()
+        assert [(g.ids, g.forwards) for g in run()] == ref_tokens[decoder, "greedy"], decoder
+        assert calls and set(calls) == {V}, decoder  # every pick over the whole vocabulary
 
 
 @torch.no_grad()

@@ -37,8 +37,9 @@ from greedy_margin import GAP, assert_no_near_tie, top2_gap
 
 import exact
 import fast
-from decoding import pad_rows
+from decoding import greedy_pick, pad_rows
 from exact import exact_steps, generate_exact, step_input
+from fast.argmax import block_argmax
 from fast.linear import FastLinear
 from mars import exact_attention_mask
 from model import Qwen2
@@ -61,13 +62,14 @@ def load(path, **cfg):
 
 def engine(pair):
     """The pair with its model made the engine (fast.make_fast, as generate.py --fast opens a
-    model): fp32 oneDNN matmuls from packed weights, its cache, the decoders unchanged.
-    Asserts every linear got its packed copy (as tests/test_fast_paths.py does): on a torch
+    model): fp32 oneDNN matmuls from packed weights, its cache, its block argmax, the decoders
+    unchanged. Asserts every linear got its packed copy (as tests/test_fast_paths.py does): on a torch
     without oneDNN these cases would otherwise repeat the plain ones and claim what they did not run."""
     hf, model, mask_id = pair
     model = fast.make_fast(copy.deepcopy(model))
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is FastLinear and m.packed is not None for m in linears), "not packed"
+    assert greedy_pick(model) is block_argmax  # the decoders' greedy pick is the engine's
     return hf, model, mask_id
 
 
@@ -77,25 +79,13 @@ def v256(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def v256_engine(v256):
+def v256_fast(v256):
     return engine(v256)
 
 
 @pytest.fixture(scope="module")
-def v8_engine(v8):
+def v8_fast(v8):
     return engine(v8)
-
-
-@pytest.fixture
-def v256_fast(v256_engine):
-    fast.argmax.install()  # the engine's greedy pick (conftest gives every test the reference's)
-    return v256_engine
-
-
-@pytest.fixture
-def v8_fast(v8_engine):
-    fast.argmax.install()
-    return v8_engine
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ chunks of 1, 3 and 8 steps, τ = 1, 0.5, 0.2 with drafts accepted, K = 1, 2, 4, 
 drafts), eager and compiled whole (fullgraph=True, dynamo's aot_eager backend: one graph for two
 requests of one batch size with other prompts, budgets, EOS ids and τ); a request reuses its
 shape's State; and a step reads nothing back from the device (it runs on the meta device, where
-every read-back raises). Sampling on the device: tests/test_device_sampling.py."""
+every read-back raises). The device loops pick greedily by the engine's block argmax (its model's,
+spied on), and the τ rule keeps a probability equal to τ, as the reference's does (§5.4).
+Sampling on the device: tests/test_device_sampling.py."""
 
 import copy
 
@@ -16,6 +18,7 @@ from test_fast_paths import tiny_model
 
 import fast
 from exact import generate_exact, step_layout
+from fast.argmax import block_argmax
 from fast.loop import (
     State,
     ar_step,
@@ -23,10 +26,12 @@ from fast.loop import (
     generate_ar_device,
     generate_exact_device,
     generate_window_device,
+    keep,
     start,
     window_step,
 )
 from generate import generate, generate_ar
+from model import Qwen2, Qwen2Config, init_weights
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 
@@ -317,8 +322,73 @@ def test_an_overflowing_temperature_draws_the_argmax_inside_the_vocabulary():
     from sampling import Sampling
 
     logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0))
-    got = candidates(logits, Sampling(temperature=1e-40), torch.arange(3), torch.tensor(5))
+    got = candidates(logits, Sampling(temperature=1e-40), torch.arange(3), torch.tensor(5), block_argmax)
     assert torch.equal(got, logits.argmax(-1))
     nan = torch.full((4, 50), float("nan"))
     token = draw(nan, torch.full((4,), 0.5, dtype=torch.float64))
     assert ((token >= 0) & (token < 50)).all()
+
+
+# ---------------------------------------------------------------- the greedy pick and τ at equality
+V2, MASK2 = 256, 255  # a vocabulary of two 128-wide blocks: the block argmax runs its blocks
+
+
+def two_block_pair():
+    """A float64 reference over V2 tokens and the engine made from a copy."""
+    cfg = Qwen2Config(vocab_size=V2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ref = init_weights(Qwen2(cfg), std=0.6, seed=5).double().eval()
+    return ref, fast.make_fast(copy.deepcopy(ref))
+
+
+def test_the_device_loops_pick_by_the_engines_block_argmax(monkeypatch):
+    """make_fast changes only the model: the device loops take every greedy pick from it
+    (FastQwen2.argmax, the block argmax, spied on here) over the whole vocabulary of two blocks,
+    in AR, the τ window and exact mode, and give the reference's tokens."""
+    ref, engine = two_block_pair()
+    assert engine.argmax is block_argmax
+    calls = []
+
+    def counted(logits):
+        calls.append(logits.shape[-1])
+        return block_argmax(logits)
+    monkeypatch.setattr(engine, "argmax", counted)
+    runs = {
+        "AR": (lambda m: generate_ar(m, PROMPTS, 12), lambda: generate_ar_device(engine, PROMPTS, 12)),
+        "window": (lambda m: generate(m, PROMPTS, block_size=4, tau=0.3, max_new_tokens=12, mask_id=MASK2),
+                   lambda: generate_window_device(engine, PROMPTS, 4, 0.3, 12, MASK2)),
+        "exact": (lambda m: generate_exact(m, PROMPTS, block_size=4, drafts=2, max_new_tokens=12,
+                                           mask_id=MASK2),
+                  lambda: generate_exact_device(engine, PROMPTS, 2, 12, MASK2, block_size=4)),
+    }
+    for name, (reference, device) in runs.items():
+        calls.clear()
+        assert device() == reference(ref), name
+        assert calls and set(calls) == {V2}, name
+
+
+def test_the_tau_rule_keeps_a_probability_equal_to_tau():
+    """§5.4 keeps a candidate while p >= τ: a p equal to τ is kept, on the device (fast.loop.keep)
+    as in the reference (generate.accept). Two equal top logits, in different 128-wide blocks, the
+    rest so far below that exp(.) is 0 in float32: p is 0.5 exactly, at τ = 0.5. Row 0's masks all
+    sit at p = τ (all four kept); row 1's second mask has a third logit near the top (p < τ: the
+    run stops there). The candidate of a tie is its first index (torch.argmax's), by the engine's
+    block argmax."""
+    from generate import accept, candidates
+
+    _, engine = two_block_pair()
+    N, B = 2, 4
+    logits = torch.full((N, B, V2), -1000.0)
+    logits[:, :, 5] = logits[:, :, 133] = 3.0
+    logits[1, 2, 7] = 2.0
+    conf = torch.softmax(logits, -1)[..., 5]
+    assert conf[0].eq(0.5).all() and conf[1, 2] < 0.5  # the premise: p = τ exactly, in float32
+    want = torch.tensor([4, 2])
+
+    c, conf = candidates(logits)
+    assert torch.equal(c, torch.full((N, B), 5)) and torch.equal(accept(conf, 0.5), want)
+
+    st = State(engine, N, 512, 2 * B, B)
+    st.eos.fill_(-1), st.max_new.fill_(100), st.tau.fill_(0.5)
+    c, kept = keep(engine, st, logits)
+    assert torch.equal(c, torch.full((N, B), 5)) and torch.equal(kept, want)

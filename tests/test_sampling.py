@@ -8,7 +8,9 @@ reference, each able to fail.
   * sampling.argmax (the reference's greedy pick) and fast.argmax.block_argmax (the engine's:
     block maxima on the CPU) are the rule written out (the first largest, NaN the largest)
     and torch.argmax, on ties across and inside blocks, NaN, infinities and signed zeros, at
-    every block width; the engine installs the block one as every decoder's greedy pick;
+    every block width; a decoder's greedy pick is its model's (decoding.greedy_pick: the
+    engine's model brings the block one, a reference model reads sampling.argmax, and making
+    an engine replaces nothing in sampling);
   * temperature 0: pick is `logits.float().argmax(-1)` (today's greedy rule) and uses no
     randomness; the probability confidence is `logits.float().softmax(-1).gather(c)`;
   * bad settings are ValueErrors naming the flag;
@@ -129,7 +131,7 @@ def adversarial_logits(seed, N, V):
 @pytest.mark.parametrize("V", [128, 1024, 49152, 130])
 def test_argmax_is_the_first_largest(V):
     """sampling.argmax (the reference's greedy pick) and fast.argmax.block_argmax (the engine's,
-    block maxima on the CPU: fast.make_fast installs it as sampling.argmax) are the rule written
+    block maxima on the CPU: FastQwen2.argmax) are the rule written
     out and torch.argmax, at every block width that divides V (and V not a multiple of 128: the
     plain kernel)."""
     for seed in range(3):
@@ -148,19 +150,27 @@ def test_argmax_is_the_first_largest(V):
             assert f(torch.zeros(0, 3, V)).shape == (0, 3)
 
 
-def test_the_engine_installs_the_block_argmax_as_every_decoders_greedy_pick(monkeypatch):
-    """fast.argmax.install() makes block_argmax what pick and sample_drafts read at temperature
-    0 (the decoders' greedy picks): shown with a wrong one installed (the smallest)."""
-    import fast.argmax
+def test_a_decoders_greedy_pick_is_its_models_and_the_engine_replaces_nothing():
+    """pick and sample_drafts read at temperature 0 the greedy pick they are handed (shown with a
+    wrong one, the smallest); decoding.greedy_pick hands a reference model sampling.argmax and
+    the engine's model its block_argmax; making an engine leaves sampling's names as they were."""
+    import fast
     import sampling
+    from decoding import greedy_pick
+    from model import Qwen2, Qwen2Config
 
-    monkeypatch.setattr(sampling, "argmax", sampling.argmax)  # restored after the test
     x = torch.tensor([[0.0, 1.0, 1.0, 0.0] * 32])  # ties: the first largest is index 1
+    smallest = lambda logits: logits.float().argmin(-1)
     assert pick(x, Sampling()).item() == 1
-    monkeypatch.setattr(fast.argmax, "block_argmax", lambda logits, width=128: logits.float().argmin(-1))
-    fast.argmax.install()
-    assert pick(x, Sampling()).item() == 0  # the installed one decides
-    assert sample_drafts(x[None], Sampling(), None, 0.0)[0].item() == 0
+    assert pick(x, Sampling(), None, smallest).item() == 0  # the one handed decides
+    assert sample_drafts(x[None], Sampling(), None, 0.0, smallest)[0].item() == 0
+    before = dict(vars(sampling))
+    model = Qwen2(Qwen2Config(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1))
+    assert greedy_pick(model) is argmax
+    engine = fast.make_fast(model)
+    assert greedy_pick(engine) is block_argmax
+    assert vars(sampling) == before and sampling.argmax is argmax
 
 
 def test_temperature_zero_is_todays_argmax_and_uses_no_randomness():

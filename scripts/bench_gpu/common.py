@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import fast
-from fast.step import compile_step
+from fast.step import switch_step
 from model import Qwen2, Qwen2Config, init_weights
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
@@ -66,10 +66,9 @@ def random_05b(seed=0):
 
 def engine(model):
     """The engine over `model`, eager (fast.make_fast), and its compiled decoding step, set on
-    the model per decoder by run_ours: a decoder's cache is static iff `model.compiled` is set
-    when the decoder makes it -> (model, step)."""
-    step = compile_step(fast.make_fast(model)).compiled
-    model.compiled = None
+    the model per decoder by run_ours (fast.step.switch_step): a decoder's cache is static iff the
+    step is on when the decoder makes it -> (model, step)."""
+    step = switch_step(fast.make_fast(model, compile=True), None)  # compiled, and off for now
     return model, step
 
 

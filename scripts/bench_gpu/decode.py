@@ -29,6 +29,7 @@ from fast.loop import (
     generate_window_device,
     window_step,
 )
+from fast.step import switch_step
 from generate import generate, generate_ar
 from scripts.bench_gpu import common
 from scripts.bench_gpu.common import MASK, empty_cache, engine, graph_count, prompts, random_05b, sync, timed
@@ -70,7 +71,7 @@ def run_ours(model, step, name, dec, p, new, res, observe=False):
     compiled) and its prefill alone -> its row, appended to res. model: a fast.FastQwen2; step:
     its compiled step (engine), or None: eager; dec(p, n) -> Generations. observe: also count
     its syncs per token and kernels per forward (one more run each, profiled: seconds)."""
-    model.compiled = step
+    switch_step(model, step)
     graphs0 = graph_count()
     dec(p, new), dec(p, 1)  # warm-up: compiles this shape when compiled
     warm = graph_count()
@@ -95,7 +96,7 @@ def run_ours(model, step, name, dec, p, new, res, observe=False):
         row["syncs_per_token"] = per(syncs(lambda: dec(p, new)), tokens / len(p))
         row["kernels_per_forward"] = per(kernels(lambda: dec(p, new)), forwards)
     row["recompiles_after_warmup"] = graph_count() - warm
-    model.compiled = None
+    switch_step(model, None)
     res.append(row)
     return row
 
@@ -246,9 +247,9 @@ def alone_rows(model, step, args, out, budget):
         name = "AR compiled" if compiled else "AR"
         for batch in args.batch_sizes[1:]:
             if (name, batch) in by and budget.left() > 60:
-                model.compiled = compiled
+                switch_step(model, compiled)
                 alone = [generate_ar(model, [x], args.new_tokens)[0].ids for x in prompts(batch, seed=batch)]
-                model.compiled = None
+                switch_step(model, None)
                 out["alone"].append(dict(check=f"{name} alone = {name} in the batch", batch=batch, rows=batch,
                                          rows_equal=sum(a == b for a, b in zip(alone, by[name, batch]))))
 
