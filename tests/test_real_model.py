@@ -17,6 +17,7 @@ import torch
 from conftest import make_hf_model
 
 from data.bpe import train_bpe
+from data.prepare import load_npz
 from decoding import Generation
 from model import Qwen2
 from scripts.real_model import committed, speed
@@ -255,3 +256,43 @@ def test_report_renders_the_committed_page_from_its_json_alone(monkeypatch):
     res = json.load(open(os.path.join(d, "results.json")))
     assert report(res) == open(os.path.join(d, "RESULTS.md")).read()
     assert json.dumps(summary(res), indent=2) + "\n" == open(os.path.join(d, "summary.json")).read()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_task_protocol_smoke_keeps_the_protocol(tmp_path, monkeypatch):
+    """`python -m scripts.real_model --config task --smoke` (configs/smollm2-task.json, issue 54) on a
+    tiny random base in SmolLM2's place: the task set is made and tokenised with the base's chat
+    template, stage 1 (AR SFT), stage 2 (MARS from stage 1's saved weights) and the AR arm run as
+    train.py subprocesses, as in a real run, and the settings each stage recorded keep the protocol
+    (protocol.json: no violation); the same records with one thing changed are caught."""
+    from chat_template import render_chat
+    from data.tasks import generate
+    from scripts.real_model.__main__ import main
+    from scripts.real_model.protocol import violations
+
+    monkeypatch.chdir(tmp_path)  # the repository seen through links, with an out/ of its own
+    for name in set(os.listdir(REPO)) - {"out", ".git"}:
+        os.symlink(os.path.join(REPO, name), name)
+    small = generate({"train": 40, "val": 8, "test": 8}, seed=0)
+    tok = train_bpe([render_chat(r["messages"]) for rows in small.values() for r in rows], 400)
+    make_hf_model(tmp_path / "out" / "smollm2", vocab_size=tok.mask_id + 1)  # the base the stages read
+    tok.save(tmp_path / "out" / "smollm2")
+    main(["--config", "task", "--smoke"])
+    run_dir = tmp_path / "out" / "real_model" / "smollm2-task-smoke"
+    record = json.load(open(run_dir / "protocol.json"))
+    assert record["violations"] == []
+    S = record["settings"]
+    sft_dir = os.path.join("out", "real_model", "smollm2-task-smoke", "sft", "ar")
+    assert S["mars"]["init_from"] == S["ar_sft"]["init_from"] == sft_dir == record["sft_dir"]
+    assert (S["sft"]["ar_steps"], S["mars"]["mars_steps"], S["ar_sft"]["ar_steps"]) == (2, 2, 2)
+    for name, release in (("sft", "ar"), ("mars", "mars"), ("ar_sft", "ar")):
+        assert (run_dir / name / release / "model.safetensors").is_file()
+    off = load_npz(str(run_dir / "data" / "train.npz"))["offsets"]
+    lengths = (off[1:] - off[:-1]).tolist()
+    for stage, key, value in (("ar_sft", "lr", 2 * S["ar_sft"]["lr"]), ("mars", "init_from", "out/smollm2"),
+                              ("mars", "w_ar", 4.0), ("ar_sft", "ar_steps", 3), ("mars", "warmup_frac", 0.5)):
+        bad = {**S, stage: {**S[stage], key: value}}
+        assert violations(bad, sft_dir, lengths), (stage, key)
+    assert any("same rows" in v for v in violations(S, sft_dir, lengths + [7]))  # 5 rows: no whole epoch

@@ -16,9 +16,12 @@ end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_mod
                    figures and summary.json: the results stage and --report call it
     round3.py      round 3's page: the comparison arms, reliability, paired speed, targets
     report.py      round 2's page from results.json alone, and the cells round3.py shares
+    protocol.py    the task protocol (issue 54, "protocol": "tasks"): the task set, AR SFT, MARS from
+                   its weights, AR SFT continued; the stages' recorded settings checked
+    ceiling.py     the τ rule's ceiling: what a perfect mask could accept on given replies (issue 54)
 
-Imports run down: __main__ -> stages -> (replies, committed, training, evaluation, speed,
-page -> round3 -> report) -> reliability, run -> the core (root modules, data/, util/,
+Imports run down: __main__ -> protocol -> stages -> (replies, committed, training, evaluation, speed,
+page -> round3 -> report) -> reliability, ceiling, run -> the core (root modules, data/, util/,
 scripts/common.py); never another script's package. Nothing is imported here: each user
 imports the module it needs.
 """

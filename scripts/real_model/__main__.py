@@ -6,6 +6,10 @@
     python -m scripts.real_model --smoke             # the CPU config shrunk: a few prompts, 2 steps
     python -m scripts.real_model --config r3 --export-rows   # make the rows once, for git
     python -m scripts.real_model --config final --report     # round 2's page again from its results.json
+    python -m scripts.real_model --config task       # configs/smollm2-task.json: the paper's protocol on
+                                                     # the task set (protocol.py: its own stages)
+    python -m scripts.real_model --config task --until ceiling_r3   # only round 3's ceiling (the base)
+    python -m scripts.real_model --config task --report             # its page again from its results.json
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
@@ -38,8 +42,12 @@ killed run is started again with the same command:
   results  results.json, then from it alone RESULTS.md, tau_sweep.png and summary.json in results_dir
            (--smoke: the run dir)
 
+A config whose "_real_model" says "protocol": "tasks" runs protocol.py's stages instead (convert,
+ceiling_r3, tasks, sft, mars, ar_sft, check, evaluate, report: AR SFT, then MARS from its weights,
+against AR SFT continued; evaluated on test once; the page from results.json alone).
+
 This file is the CLI and the order of the stages; what each stage does and its key are in
-stages.py, the package's modules are listed in __init__.py.
+stages.py (protocol.py for the task protocol), the package's modules are listed in __init__.py.
 """
 
 import argparse
@@ -47,6 +55,7 @@ import os
 
 import torch
 
+from scripts.real_model import protocol, task_page
 from scripts.real_model.committed import export_rows
 from scripts.real_model.page import rewrite
 from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir
@@ -63,6 +72,9 @@ from scripts.real_model.stages import (
 
 ORDER = (stage_convert, stage_prompts, stage_replies, stage_arrays, stage_train, stage_arms, stage_eval,
          stage_results)  # STAGES' order
+PROTOCOL_ORDER = (stage_convert, protocol.stage_ceiling_r3, protocol.stage_tasks, protocol.stage_sft,
+                  protocol.stage_mars, protocol.stage_ar_sft, protocol.stage_check, protocol.stage_evaluate,
+                  protocol.stage_report)  # protocol.PROTOCOL_STAGES' order
 
 
 def main(argv=None):
@@ -70,7 +82,8 @@ def main(argv=None):
     ap.add_argument("--config", default="cpu", help="cpu (= r3), gpu, r3-pilot, or a JSON file like "
                     "configs/smollm2-r3.json")
     ap.add_argument("--smoke", action="store_true", help="a few prompts, 2 steps, a tiny evaluation")
-    ap.add_argument("--until", choices=STAGES, help="stop after this stage")
+    ap.add_argument("--until", choices=sorted(set(STAGES + protocol.PROTOCOL_STAGES)),
+                    help="stop after this stage")
     ap.add_argument("--export-rows", action="store_true", help="make the replies (stages up to replies), "
                     "then copy them into results/real_model/data/NAME for git, and stop")
     ap.add_argument("--report", action="store_true", help="rewrite RESULTS.md, tau_sweep.png and "
@@ -79,6 +92,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     path, full, cfg = load_config(a.config, a.smoke)
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
+    if protocol.is_protocol(cfg):
+        return run_protocol(a, name, path, full, cfg)
     if a.report:
         return rewrite(results_dir(name, cfg, a.smoke))
     if "n_test" not in full["_real_model"]:
@@ -94,6 +109,26 @@ def main(argv=None):
         stage(run)
         if a.export_rows and stage is stage_replies:
             return export_rows(run)
+        if a.until and stage.__name__ == f"stage_{a.until}":
+            break
+
+
+
+def run_protocol(a, name, path, full, cfg):
+    """The task protocol's stages in order (protocol.py), --smoke shrunk by protocol.SMOKE; --report:
+    its page again from its results.json alone (task_page.rewrite)."""
+    if a.export_rows:
+        raise SystemExit("--export-rows belongs to round 3's configs, not the task protocol")
+    cfg = protocol.smoke_config(cfg) if a.smoke else cfg
+    if a.report:
+        return task_page.rewrite(results_dir(name, cfg, a.smoke))
+    run = Run(name, cfg, path, full, a.smoke)
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(cfg["seed"])
+    print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, the task protocol, run dir {run.dir}; "
+          f"{protocol.predict(cfg, run.train_settings())}", flush=True)
+    for stage in PROTOCOL_ORDER:
+        stage(run)
         if a.until and stage.__name__ == f"stage_{a.until}":
             break
 

@@ -94,10 +94,11 @@ def teacher_forced(base, models, rows, batch=8):
                    "row_kl": row_kl[name], "row_tokens": row_tokens} for name, s in sums.items()}
 
 
-def in_chunks(fn, prompts, n):
-    """fn(batch of prompts) -> [Generation], over the prompts in chunks() of n, in prompt order."""
+def in_chunks(fn, prompts, n, lengths=None):
+    """fn(batch of prompts) -> [Generation], over the prompts in chunks() of n, in prompt order;
+    batched by the prompts' lengths, or by `lengths` (one per prompt) where given."""
     out = [None] * len(prompts)
-    for idx in chunks([len(p) for p in prompts], n):
+    for idx in chunks([len(p) for p in prompts] if lengths is None else lengths, n):
         for i, g in zip(idx, fn([prompts[i] for i in idx])):
             out[i] = g
     return out
