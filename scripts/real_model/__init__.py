@@ -19,9 +19,12 @@ end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_mod
     protocol.py    the task protocol (issue 54, "protocol": "tasks"): the task set, AR SFT, MARS from
                    its weights, AR SFT continued; the stages' recorded settings checked
     ceiling.py     the τ rule's ceiling: what a perfect mask could accept on given replies (issue 54)
+    task_eval.py   the task protocol's evaluation on test, in resumable pieces: accuracy, the τ sweep,
+                   exact mode, the wall clock, the ceiling; round 3's ceiling; results.json's numbers
+    task_page.py   the task protocol's page (RESULTS.md, tau_sweep.png) from results.json alone
 
-Imports run down: __main__ -> protocol -> stages -> (replies, committed, training, evaluation, speed,
-page -> round3 -> report) -> reliability, ceiling, run -> the core (root modules, data/, util/,
-scripts/common.py); never another script's package. Nothing is imported here: each user
-imports the module it needs.
+Imports run down: __main__ -> protocol -> (task_eval -> stages, task_page -> report); stages ->
+(replies, committed, training, evaluation, speed, page -> round3 -> report) -> reliability,
+ceiling, run -> the core (root modules, data/, util/, scripts/common.py); never another script's
+package. Nothing is imported here: each user imports the module it needs.
 """

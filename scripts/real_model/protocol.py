@@ -49,8 +49,11 @@ from scripts.real_model.task_eval import (
     evaluate,
     piece_path,
     pieces,
+    r3_reached,
+    r3_val_pairs,
     reply_rows,
     results_of,
+    summarised,
 )
 from scripts.real_model.task_page import write_page
 from scripts.real_model.training import train
@@ -64,15 +67,17 @@ PAPER_LOSS = {"w_ar": 1.0, "ar_target": "tokens", "block_size": 4, "bidirectiona
               "inv_t_weight": False}  # §4, §7: CE on both streams, weighted equally, B = 4
 PER_STAGE = {"out_dir", "init_from", "ar_steps", "mars_steps"}  # the settings the stages may differ in
 EVAL_KEYS = ("n_eval", "taus", "taus_ar", "max_new_tokens", "eval_batch", "drafts", "n_exact", "n_timed",
-             "timing_rounds", "timing_tau", "block_cache", "timed_caches", "dtype", "device")  # evaluate's
+             "timing_rounds", "timing_tau", "block_cache", "timed_caches", "dtype", "device",
+             "eval_split")  # what evaluate reads
 EVAL_CODE = DECODING + ("exact.py", "data/tasks/grade.py") + tuple(
     f"scripts/real_model/{m}.py" for m in ("task_eval", "ceiling", "evaluation", "speed"))
 # --smoke: a few problems, 2 steps a stage; 4 training rows, batches of 2 and no length buckets, so that
-# stage 2's 2 steps are one whole epoch (the rows check holds); the evaluation on the 4 test problems
-# at 2 τ (the second low: a tiny model's masks pass it), short replies, float64 (a re-decode gives
-# the same tokens whatever the batch); round 3's prompts with a cap that a tiny BPE's ids fit
+# stage 2's 2 steps are one whole epoch (the rows check holds); the evaluation on the 4 test problems at
+# 2 τ (the second low: a tiny random model's masks, p ~ 0.02-0.07, pass it at times), short replies, in
+# float64 (a re-decode gives the same tokens whatever the batch); round 3's prompts with a cap that a
+# tiny BPE's ids fit
 SMOKE = {"tasks": {"train": 4, "val": 4, "test": 4}, "threads": 1,
-         "n_eval": 4, "taus": [1.0, 0.1], "taus_ar": [1.0], "max_new_tokens": 12, "eval_batch": 2,
+         "n_eval": 4, "taus": [1.0, 0.03], "taus_ar": [1.0], "max_new_tokens": 12, "eval_batch": 2,
          "n_exact": 4, "drafts": [2, 4], "n_timed": 2, "timing_rounds": 1, "dtype": "float64",
          "r3_overrides": {"max_prompt_tokens": 512},
          "train": {"ar_steps": 2, "mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "bucket_window": 1,
@@ -201,8 +206,9 @@ def model_dirs(run):
 def eval_keys(run):
     """piece -> its key: the evaluation's settings, B, the code it runs and the test problems, and
     for a trained model its training stage's key (a piece of the base outlives a new training)."""
+    split = run.cfg.get("eval_split", "test")
     common = digest("evaluate", {k: run.cfg.get(k) for k in EVAL_KEYS}, run.train_settings()["block_size"],
-                    *[("file", f) for f in EVAL_CODE], ("file", run.path("data", "test.jsonl")),
+                    *[("file", f) for f in EVAL_CODE], ("file", run.path("data", f"{split}.jsonl")),
                     ("file", os.path.join(BASE_DIR, "model.safetensors")))
     trained = {m: run.manifest.get(m, {}).get("key") for m in MODELS if m != "base"}
     return {name: digest(common, trained.get(model), name) for name, model, _, _ in pieces(run.cfg)}
@@ -229,7 +235,7 @@ def stage_ceiling_r3(run):
     key = digest("ceiling_r3", r3.cfg, sizes, run.cfg["taus"],
                  ("file", os.path.join(BASE_DIR, "model.safetensors")),
                  *[("file", f) for f in DECODING + ("data/prompts.py", "scripts/real_model/ceiling.py")],
-                 ("code", ceiling_r3))
+                 ("code", ceiling_r3), ("code", r3_val_pairs), ("code", summarised))
 
     def make():
         os.makedirs(run.path("eval"), exist_ok=True)
@@ -241,7 +247,7 @@ def stage_report(run):
     outs = [os.path.join(run.results, f)
             for f in ("results.json", "replies.jsonl", "RESULTS.md", "tau_sweep.png")]
     key = digest("report", *[run.manifest.get(s, {}).get("key") for s in ("check", "evaluate", "ceiling_r3")],
-                 *[("file", f"scripts/real_model/{m}.py") for m in ("task_page", "task_eval")])
+                 r3_reached(), *[("file", f"scripts/real_model/{m}.py") for m in ("task_page", "task_eval")])
     run.stage("report", key, outs, lambda: write_report(run))
 
 

@@ -16,9 +16,9 @@ loses one piece at most:
                  per forward, and its replies against MARS's τ = 1 replies (AR of the same weights)
   ceiling_M      the τ rule's ceiling (ceiling.py) on model M's own τ = 1 replies, at every τ
   timing         wall clock on the first n_timed problems, at batch 1 and 4: our AR against the
-                 τ rule at timing_tau with the block cache (B_cache = block_cache, the paper's
-                 batch strategy) and each other cache of "timed_caches", alternated, warmed up
-                 (speed.time_decoders; paired ratios with speed.speed_rows)
+                 τ rule at timing_tau with each cache of "timed_caches" (the block cache, B_cache =
+                 block_cache: the paper's batch strategy; the window cache), alternated, warmed up
+                 (speed.time_decoders; paired ratios with speed.speed_rows), in the run's dtype
 
 Prompts are batched by the length of the problem's reference solution (evaluation.in_chunks): rows
 of one batch end at about the same step, so few forwards run for rows already done. summarise()
@@ -81,9 +81,10 @@ def load_piece(run, name):
     return json.load(open(piece_path(run, name)))["result"]
 
 
-def test_problems(run):
-    """The first n_eval test problems (data/tasks/: their templates never trained on)."""
-    with open(run.path("data", "test.jsonl")) as f:
+def eval_problems(run):
+    """The first n_eval problems of the config's "eval_split": "test" (the default; data/tasks/: their
+    templates never trained on) for the run, evaluated once; "val" for a pilot, which never sees test."""
+    with open(run.path("data", f"{run.cfg.get('eval_split', 'test')}.jsonl")) as f:
         return [json.loads(line) for line in f][:run.cfg["n_eval"]]
 
 
@@ -192,7 +193,7 @@ def evaluate(run, dirs, keys):
     """Every piece not yet saved with its key (keys: piece -> key), model by model (dirs: model ->
     weights directory); each piece written as it finishes."""
     os.makedirs(run.path("eval"), exist_ok=True)
-    problems, tok, loaded = test_problems(run), Tokenizer.from_dir(BASE_DIR), {}
+    problems, tok, loaded = eval_problems(run), Tokenizer.from_dir(BASE_DIR), {}
     for name, model, kind, arg in pieces(run.cfg):
         path = piece_path(run, name)
         if os.path.isfile(path) and json.load(open(path)).get("key") == keys[name]:
@@ -327,12 +328,13 @@ def results_of(run, violations, r3_ceiling):
     """results.json: everything the page shows, from the run's saved pieces (summarise), its settings,
     stages.json, the protocol's check, the data's sizes, round 3's ceiling and numbers, the command
     and the machine."""
-    test, off = test_problems(run), load_npz(run.path("data", "train.npz"))["offsets"]
+    test, off = eval_problems(run), load_npz(run.path("data", "train.npz"))["offsets"]
     command = f"python -m scripts.real_model --config {run.cfg_path}" + (" --smoke" if run.smoke else "")
     stages = {k: v for k, v in run.manifest.items() if not v.get("unfinished")}
     return {"config": run.cfg, "train_settings": run.train_settings(), "stages": stages,
             "protocol": violations,
-            "data": {"train_rows": len(off) - 1, "test_problems": len(test),
+            "data": {"train_rows": len(off) - 1, "split": run.cfg.get("eval_split", "test"),
+                     "test_problems": len(test),
                      "test_families": dict(sorted(Counter(p["family"] for p in test).items()))},
             **summarise(run), "ceiling_r3": r3_ceiling, "r3_reached": r3_reached(),
             "run": {"command": command, "smoke": run.smoke, "machine": machine(run.cfg["device"])}}

@@ -49,6 +49,8 @@ def tpf(x, ci):
 def intro(res):
     S, c, d = res["train_settings"], res["config"], res["data"]
     fams = ", ".join(f"{n} {f}" for f, n in d["test_families"].items())
+    once = ("on test, once" if d.get("split", "test") == "test" else
+            f"on the {d['split']} split (a pilot: test unseen)")
     smoke = ("**SMOKE RUN: tiny sizes, a random tiny model, the numbers mean nothing.**\n"
              if res["run"]["smoke"] else "")
     return f"""# The paper's protocol on a real model: SmolLM2-135M-Instruct on the task set (issue 54)
@@ -60,9 +62,9 @@ trained on). Stage 1: AR SFT, {S['ar_steps']} steps; stage 2: MARS from stage 1'
 steps, CE on both streams, w_ar {S['w_ar']:g}, B = {S['block_size']}; the arm: AR SFT continued from stage
 1 for stage 2's steps on the same rows, lr and schedule ({S['batch_size']} rows a step, lr {S['lr']:g},
 cosine to {S['min_lr_frac']:g}x, warm-up {S['warmup_frac']:g}). The protocol's check: {len(res['protocol'])}
-violations. Evaluation, on test once: {d['test_problems']} problems ({fams}), greedy, at most
-{c['max_new_tokens']} new tokens, in the dtype `{c['dtype']}` picks; intervals are 95 % bootstrap
-intervals over problems. Every reply of the sweep is in [replies.jsonl](replies.jsonl) (one row per
+violations. Evaluation, {once}: {d['test_problems']} problems ({fams}), greedy, at most
+{c['max_new_tokens']} new tokens, in {res['ceiling']['mars']['dtype']} (config: {c['dtype']}); 95 %
+bootstrap intervals over problems. Every reply of the sweep is in [replies.jsonl](replies.jsonl) (one row per
 problem, model and τ, with the grader's verdict). {res['run']['machine']}.
 
 ```
@@ -144,9 +146,9 @@ def r3_line(r3, reached):
     if x is None or y is None:
         return "Round 3: the ceiling was not measured at tau = 0.95."
     got = reached["tokens_per_forward"].get("0.95") if reached else None
-    share2 = fmt(y["share"][1]) if len(y["share"]) > 1 else "-"
+    share2 = pct(y["share"][1]) if len(y["share"]) > 1 else "-"
     return (f"**Round 3's open chat, in one line:** on the base's own greedy replies to its {r3['n']} "
-            f"validation prompts the next token passes tau = 0.95 at {fmt(y['share'][0])} of positions and "
+            f"validation prompts the next token passes tau = 0.95 at {pct(y['share'][0])} of positions and "
             f"the next two at {share2}, so a perfect mask could reach at most {x['tokens_per_forward']:.3f} "
             f"tokens per forward at B = {small} ({y['tokens_per_forward']:.3f} at B = {big}); round 3's tau "
             f"rule gave {fmt(got)} there.")
@@ -168,7 +170,8 @@ def ceiling_section(res):
     note = ("The ceiling (scripts/real_model/ceiling.py): on a model's own tau = 1 replies, share j = the "
             "share of positions whose next j tokens all have the model's own AR probability >= tau, and the "
             "tokens per forward of the tau rule if every mask were perfect. On r3's prompts it is the "
-            "base's, beside r3's MARS model's tau rule on the same prompts (results/real_model/r3).")
+            "base's, beside r3's MARS model's tau rule on the same prompts (results/real_model/r3). The tau "
+            "rule passes the ceiling only by accepting tokens that its greedy AR would not write.")
     return section("The tau rule's ceiling: what a perfect mask could accept", table(head, rows), note,
                    r3_line(r3, reached))
 
@@ -222,7 +225,7 @@ def stages_section(res):
 
 def plot_sweep(res, path):
     """Accuracy against tokens per forward at each τ: MARS (all families, and gsm, the GSM8K-shaped
-    family) beside the paper's 7B GSM8K points."""
+    family) beside the paper's 7B GSM8K points; AR SFT's accuracy as one star at 1 token per forward."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +243,8 @@ def plot_sweep(res, path):
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
         for x, y, t in pts:
             ax.annotate(f"{t:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ar = decoded(res, "ar_sft", 1.0)
+    ax.plot([1.0], [100 * ar["accuracy"]], "k*", markersize=9, label="ours, AR SFT at tau = 1")
     ax.set(xlabel="tokens per forward", ylabel="test accuracy (%)",
            title=f"The tau sweep (B = {sweep[0]['block_size']}), tau at each point")
     ax.legend(fontsize=8)
