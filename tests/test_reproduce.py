@@ -4,9 +4,11 @@ scripts.reproduce trains the AR stage once (ar_stage) and runs each MARS variant
 `train.py --init_from=<ar_stage>/ar --ar_steps=0`. Its docstring claims that mars_b4 is
 then what the default two-stage `python train.py` does. Proof: with scripts.reproduce's own
 settings for the two runs, the final MARS weights and the logged MARS losses equal those
-of one uninterrupted two-stage run, bit for bit (CPU, one thread).
+of one uninterrupted two-stage run, bit for bit (CPU, one thread). And the benchmarks it runs
+name scripts that exist, with options they accept, and each log lands on the page.
 """
 
+import importlib.util
 import json
 
 import pytest
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 
 import train
 from data.bpe import train_bpe
+from scripts import bench_generate
 from scripts.reproduce import __main__ as cli
 from scripts.reproduce import report, runs, training
 
@@ -89,3 +92,19 @@ def test_seeds_scheduling_failure_and_verdicts(tmp_path, monkeypatch):
     assert report.fmt([1.0, 2.0, 6.0]) == "3.0 (1.0–6.0)" and report.fmt([]) == "–"
     with pytest.raises(SystemExit, match="must include 1"):
         runs.plan(cli.parse_args(["--taus", "0.9"]))
+
+
+def test_the_benchmark_commands_run_and_reach_the_page(tmp_path):
+    """Each benchmark command (printed on results/RESULTS.md for a user to run) names a script
+    module that exists; bench_generate parses its options, exact mode's rows (--drafts) among
+    them; and report.py puts every benchmark's log on the page."""
+    P, _ = runs.plan(cli.parse_args(["--results", str(tmp_path / "r"), "--out", str(tmp_path / "o")]))
+    for quick in (False, True):
+        cmds = runs.bench_commands(P, "ckpt", quick)
+        for cmd in cmds.values():
+            assert cmd[1] == "-m" and importlib.util.find_spec(cmd[2]) is not None, cmd
+        assert bench_generate.parse_args(cmds["bench_generate"][3:]).drafts == [2, 3]
+    for name in cmds:
+        (tmp_path / f"{name}.txt").write_text(f"the log of {name}\n")
+    page = "\n".join(report.bench_sections(str(tmp_path)))
+    assert all(f"the log of {name}" in page for name in cmds)
