@@ -3,7 +3,8 @@
 The model stays loaded; `/tau X` sets τ for the next reply (τ is a per-request number, §5),
 so one session can compare AR (`/tau 1`) and multi-token replies; `/temperature X`,
 `/top-p X`, `/top-k N`, `/seed N` and `/accept-metric NAME` change the sampling settings
-(sampling.Sampling) the same way. Tokens accepted in the same forward share a colour when
+(sampling.Sampling) the same way; `/show` switches the trace of every forward (show.py, on
+stderr, before the reply) on and off. Tokens accepted in the same forward share a colour when
 the output is a terminal. The conversation is kept and re-templated with the checkpoint's
 chat template every turn.
 
@@ -74,12 +75,13 @@ def set_sampling(knob, line):
     return f"{cmd[1:]} = {value}"
 
 
-def chat(tok, decode, knob, eos_ids, header=""):
+def chat(tok, decode, knob, eos_ids, header="", shown=None, show=False):
     """Interactive chat on stdin/stdout; `/tau 0.8` changes τ for the next reply (and
-    `/temperature 0.7` etc. the sampling), `/quit` leaves."""
+    `/temperature 0.7` etc. the sampling), `/show` the trace (`shown(steps, prompts, sampling)`:
+    show.trace, `show` its state at the start), `/quit` leaves."""
     messages = []
     print(f"MARS chat ({header}); /tau X changes tau, /temperature X (/top-p, /top-k, /seed, "
-          "/accept-metric) the sampling, /quit leaves")
+          "/accept-metric) the sampling, /show the trace of each forward, /quit leaves")
     while True:
         try:
             line = input("> ")
@@ -97,6 +99,10 @@ def chat(tok, decode, knob, eos_ids, header=""):
             knob.tau = tau  # read by the decoder before its next step; the model stays loaded
             print(f"tau = {tau}")
             continue
+        if line.strip() == "/show" and shown is not None:
+            show = not show
+            print(f"show = {'on' if show else 'off'}")
+            continue
         if line.split()[:1] and line.split()[0] in SAMPLING_COMMANDS:
             print(set_sampling(knob, line))
             continue
@@ -105,8 +111,10 @@ def chat(tok, decode, knob, eos_ids, header=""):
         messages.append({"role": "user", "content": line})
         try:
             ids = tok.encode_chat(messages, add_generation_prompt=True)
-            steps = decode([ids], knob)
-            t0, printer, step = time.perf_counter(), Printer(tok, eos_ids, sys.stdout.isatty()), None
+            t0, steps = time.perf_counter(), decode([ids], knob)
+            if show:  # the trace on stderr as the forwards run, then the reply
+                steps = list(shown(steps, [ids], knob.sampling))
+            printer, step = Printer(tok, eos_ids, sys.stdout.isatty()), None
             for step in steps:
                 printer.add(step.tokens[0])
             printer.flush()

@@ -8,12 +8,10 @@ while their softmax probability is >= τ (`accept`). τ = 1 is plain greedy AR;
 lower τ trades accuracy for tokens per forward. τ is read before every step from
 a `decoding.Knob`, so it can change between steps while the model stays loaded.
 
-Sampling (issue 13; sampling.py): with `sampling=Sampling(temperature=T, top_k, top_p,
-seed, accept_metric)` each candidate c_j is drawn from its position's processed
-distribution, and τ is compared with the raw fp32 softmax of the logits at c_j (or with
-the entropy / margin of that distribution: sampling.confidence), as in the authors'
-sampler. τ = 1 is then plain AR sampling, token for token the AR sampler's under the same
-generators. Temperature 0, the default, is the greedy rule above, unchanged.
+Sampling (sampling.py): with `Sampling(temperature, top_k, top_p, seed, accept_metric)` each
+c_j is drawn from its position's processed distribution and τ is compared with the raw fp32
+softmax at c_j (or its entropy or margin: sampling.confidence), as in the authors' sampler;
+τ = 1 is then the AR sampler, token for token. Temperature 0, the default, is the rule above.
 
 Three loops produce the same tokens (the tests prove it):
   nocache_steps  the paper's loop: recompute [prefix | B masks] from scratch every step.
@@ -28,14 +26,14 @@ slot indices, so with plain causal attention no real token ever sees a pad, and
 every row accepts its own number of tokens. `ar_decode` is the plain AR decoder on
 the same KVCache: the honest baseline. Exact mode (the AR output at several tokens per
 forward: greedy token for token, or sampled in distribution) is exact.py; the
-interactive chat is chat.py.
+interactive chat is chat.py; what `--show` prints of every step is show.py.
 
     python generate.py --ckpt out/default/mars --prompt "Compute 3 + 4 + 8." --tau 0.9
     python generate.py --ckpt out/default/mars --prompt "Tell a story." --exact --temperature 0.7 --top-p 0.9
 """
 
 import argparse
-import json
+import functools
 import os
 import sys
 import time
@@ -59,6 +57,7 @@ from decoding import (
 )
 from exact import check_exact, exact_steps
 from sampling import GREEDY, METRICS, Sampling, confidence, confident, pick, row_generators
+from show import report, trace
 from util.files import USER_ERRORS, error_line
 from util.precision import choose_dtype, dtype_name
 
@@ -73,12 +72,11 @@ def candidates(logits, sampling=GREEDY, gens=None, ar=False):
     but c_0 is accepted and no softmax over V is computed.
 
     Greedy (temperature 0, the default): c_j = the argmax of the fp32 logits, conf_j = its
-    fp32 softmax probability p_j. Sampling extends the rule: each c_j is drawn from its own
-    position's processed distribution, independently (mask j-1 never sees the drawn c_{j-1}:
-    this is MARS, not exact sampling; that is exact.py), and conf_j is still the RAW softmax
-    probability of c_j (sampling.confidence: or its entropy or margin). c_0 is drawn in a call
-    of its own and in AR mode c_1.. are not drawn at all: an AR-mode step uses each row's
-    generator exactly as the AR sampler does, one one-position draw per token."""
+    fp32 softmax probability p_j. Sampled: each c_j is drawn from its own position's processed
+    distribution, independently (mask j-1 never sees the drawn c_{j-1}: MARS, not exact.py),
+    and conf_j is still the RAW softmax probability of c_j (sampling.confidence). c_0 is drawn
+    in a call of its own and in AR mode c_1.. are not drawn: an AR-mode step uses each row's
+    generator as the AR sampler does."""
     c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR token
     rest = logits[:, 1:]  # (N, n-1, V)
     greedy = ar or sampling.greedy or rest.shape[1] == 0
@@ -102,17 +100,19 @@ def accept(conf, tau, metric="probability"):
 
 def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
     """Apply one step's decision to the `active` rows: candidates (drawn with the active
-    rows' generators), the τ rule, then the budget / EOS cut (rows.keep).
-    logits (len(active), B, V) -> kept tokens per row (all N)."""
+    rows' generators), the τ rule, then the budget / EOS cut (rows.keep). logits (len(active),
+    B, V) -> (kept tokens per row (all N), what the rows proposed: decoding.Step's proposed,
+    conf and accepted, for --show)."""
     metric = sampling.accept_metric
     check_tau(tau, metric)
     ar = ar_only(tau, metric)
     cands, conf = candidates(logits, sampling, rows_of(gens, active), ar)
     n = [1] * len(active) if ar else accept(conf, tau, metric).tolist()
-    accepted, cands = [[] for _ in rows.out], cands.tolist()  # one host copy for all rows
-    for i, b in enumerate(active):
-        accepted[b] = cands[i][: n[i]]
-    return rows.keep(accepted)
+    at = {b: i for i, b in enumerate(active)}  # row -> its place among the active rows
+    spread = lambda values, empty: [values[at[b]] if b in at else empty for b in range(len(rows.out))]
+    seen = dict(proposed=spread(cands.tolist(), []), conf=None if ar else spread(conf.tolist(), []),
+                accepted=spread(n, 0))  # one host copy for all rows
+    return rows.keep([c[:k] for c, k in zip(seen["proposed"], seen["accepted"])]), seen
 
 
 # ---------------------------------------------------------------- forwards
@@ -126,12 +126,10 @@ def nocache_logits(model, seqs, B, mask_id):
 
 
 def extend_cache(model, cache, tokens, n):
-    """Forward tokens (N, T) against the cache, commit the first n[i] of each row, and
-    return the final hidden state of each row's last committed token (N, C): the prefill,
-    an AR step, and the block cache's per-block extension (§6 step 3). The stored "last
-    logit" is kept as this hidden state; the LM head is applied when a candidate is read.
-    Every token is forwarded: the caller passes no more than the longest n (no length is read
-    back from the device here)."""
+    """Forward tokens (N, T) against the cache, commit the first n[i] of each row, and return
+    the final hidden state of each row's last committed token (N, C): the prefill, an AR step,
+    the block cache's extension (§6 step 3). The stored "last logit" is this hidden state (the
+    LM head runs when a candidate is read). The caller passes no more than the longest n."""
     h = model.hidden(tokens, cache=cache)
     cache.commit(n)
     return h[torch.arange(h.shape[0], device=h.device), (n - 1).clamp(min=0)]
@@ -146,8 +144,8 @@ def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, 
         tau, active = knob.tau, rows.active()
         logits = nocache_logits(model, [prompts[b] + rows.out[b] for b in active], B, mask_id)
         forwards += 1
-        new = take(rows, active, logits, tau, sampling, gens)
-        yield Step(new, list(rows.done), forwards, tau)
+        new, seen = take(rows, active, logits, tau, sampling, gens)
+        yield Step(new, list(rows.done), forwards, tau, **seen)  # no cache: committed None
 
 
 def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens):
@@ -164,13 +162,14 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, g
         tau, active = knob.tau, rows.active()
         window = [p + [mask_id] * B for p in pending]
         h = model.hidden(pad_rows(window, mask_id, device), cache=cache)  # the prompts first, then <= 2B
-        n = torch.tensor([len(p) for p in pending], device=device)
+        committed = [len(p) for p in pending]
+        n = torch.tensor(committed, device=device)
         cache.commit(n)
         forwards += 1
         logits = logits_at(model, h, (n - 1).clamp(min=0), B)[active]  # (n_active, B, V)
-        new = take(rows, active, logits, tau, sampling, gens)
+        new, seen = take(rows, active, logits, tau, sampling, gens)
         pending = [[] if d else t for t, d in zip(new, rows.done)]
-        yield Step(new, list(rows.done), forwards, tau)
+        yield Step(new, list(rows.done), forwards, tau, committed=committed, **seen)
 
 
 def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, gens, block_cache):
@@ -186,11 +185,9 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
     (3) Once every row has filled the block, one forward of the filled block commits it
     and refreshes the stored last hidden state; finished rows are padded (commit 0).
 
-    A step never stops at the block edge: the block buffer has B-1 spare slots past
-    B_cache, so an inner step accepts exactly what the no-cache step accepts and the
-    extension commits all filled slots (B_cache .. B_cache+B-1 per row). Cutting steps
-    at the edge would replace an accepted mask prediction by an AR prediction, and the
-    output would depend on B_cache. Hence block mode = no-cache loop, token for token.
+    A step never stops at the block edge (§6): the buffer has B-1 spare slots past B_cache,
+    so an inner step accepts exactly what the no-cache step accepts and the extension commits
+    every filled slot: block mode = the no-cache loop, token for token.
     Forwards: 1 prefill + inner steps + 1 per completed block (at τ = 1, batch 1, no
     EOS: n + ceil(n / B_cache) for n tokens, B >= 2; with B = 1 an inner step at slot 0
     needs no forward, giving n)."""
@@ -199,7 +196,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
     cache = model.new_cache(N, max(map(len, prompts)) + max_new, step=block_cache + B - 1)  # the whole block
     lens = torch.tensor([len(p) for p in prompts], device=device)
     last = extend_cache(model, cache, pad_rows(prompts, mask_id, device), lens)  # prefill, (N, C)
-    forwards = 1
+    forwards, committed = 1, [len(p) for p in prompts]  # committed: written since the last Step
     block = torch.full((N, block_cache + B - 1), mask_id, dtype=torch.long, device=device)
     filled = [0] * N  # slots of the block filled so far, per row
     while not all(rows.done):
@@ -207,7 +204,7 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
         if not growing:  # (3) every row filled the block: commit it, start the next one
             n = [0 if d else f for d, f in zip(rows.done, filled)]
             last = extend_cache(model, cache, block[:, :max(n)], torch.tensor(n, device=device))
-            forwards += 1
+            forwards, committed = forwards + 1, n
             block.fill_(mask_id)
             filled = [0] * N
             continue
@@ -219,11 +216,12 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
-        new = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens)
+        new, seen = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens)
         for b in growing:
             block[b, filled[b]: filled[b] + len(new[b])] = torch.tensor(new[b], device=device)
             filled[b] += len(new[b])
-        yield Step(new, list(rows.done), forwards, tau)
+        yield Step(new, list(rows.done), forwards, tau, committed=committed, **seen)
+        committed = [0] * N
 
 
 # ---------------------------------------------------------------- entry points
@@ -232,13 +230,12 @@ def mars_decode(model, prompts, *, block_size, tau, max_new_tokens, mask_id, eos
                 cache="window", block_cache_size=None, sampling=GREEDY, generators=None):
     """Decode a batch of prompts (lists of ids) with MARS (§5), yielding a `Step` per step.
 
-    tau: a float, or a `Knob` whose `.tau` is read before every step (change it
-    between steps to change acceptance from the next step on). cache: "window",
-    "block" or "none" (§6); block_cache_size: B_cache of the block mode (default 32).
-    sampling: a sampling.Sampling (default: temperature 0, greedy); generators: one
-    torch.Generator per row (default: row b seeded sampling.seed + b), or one for all.
-    A row stops after an accepted EOS id (what followed it in that step is dropped)
-    or after max_new_tokens; finished rows idle while the others go on."""
+    tau: a float, or a `Knob` whose `.tau` is read before every step (change it between steps
+    to change acceptance from the next step on). cache: "window", "block" or "none" (§6);
+    block_cache_size: B_cache of the block mode (default 32). sampling: a sampling.Sampling
+    (default: greedy); generators: one torch.Generator per row (default: row b seeded
+    sampling.seed + b), or one for all. A row stops after an accepted EOS id (what followed it
+    in that step is dropped) or after max_new_tokens; finished rows idle while the others go on."""
     check_request(model, prompts, block_size, tau, max_new_tokens, mask_id, sampling.accept_metric)
     if cache not in CACHE_MODES:
         raise ValueError(f"cache must be one of {CACHE_MODES}, got {cache!r}")
@@ -282,8 +279,8 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, gener
     forwards = 1
     while True:
         active = rows.active()
-        new = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens)
-        yield Step(new, list(rows.done), forwards, 1.0)
+        new, seen = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens)
+        yield Step(new, list(rows.done), forwards, 1.0, **seen)
         if all(rows.done):
             return
         tok = torch.tensor([t[0] if t else 0 for t in new], device=device)[:, None]  # (N, 1)
@@ -382,24 +379,22 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--mask-id", type=int, help="<|mask|> id (default: mars.json, else the tokenizer)")
     p.add_argument("--cache", choices=CACHE_MODES, default="window")
-    p.add_argument("--block-cache-size", type=int, help=f"B_cache of --cache block "
-                   f"(default {DEFAULT_BLOCK_CACHE})")
-    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the AR output "
-                   "(greedy, or sampled: in distribution), with mask drafts verified in the same forward; "
-                   "--tau is not used")
+    p.add_argument("--block-cache-size", type=int, help=f"--cache block's B_cache ({DEFAULT_BLOCK_CACHE})")
+    p.add_argument("--exact", action="store_true", help="exact mode (exact.py): the AR output (greedy, "
+                   "or sampled: in distribution), mask drafts verified in the same forward; no --tau")
     p.add_argument("--drafts", type=int, help="K of --exact: drafts per step (default: B)")
     p.add_argument("--draft-threshold", type=float, default=0.0,
                    help="--exact: keep only the leading drafts with probability >= this")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--show", action="store_true", help="print what each forward proposed and what the "
+                   "rule kept, on stderr (show.py); /show in --chat switches it")
     p.add_argument("--device", default="auto", help="auto (the default): cuda when present, else cpu")
-    p.add_argument("--fast", action="store_true", help="decode through the engine (fast/, "
-                   "docs/performance.md): bf16 where the device has bf16 units, batch-invariant; the "
-                   "default is the reference, float32 and plain")
+    p.add_argument("--fast", action="store_true", help="decode through the engine (fast/, docs/performance"
+                   ".md): bf16 where the device has bf16 units, batch-invariant; default: the reference")
     p.add_argument("--compile", action="store_true", help="--fast, with the decoding step compiled once "
                    "per shape (CUDA graphs on a GPU, inductor on the CPU; the first reply pays the compile)")
-    p.add_argument("--device-loop", action="store_true", help="--fast, with the whole decoding step "
-                   "on the device, compiled (head, acceptance and cache update in one graph; the host reads "
-                   "every 8 steps; fast/loop.py); --cache window, --accept-metric probability")
+    p.add_argument("--device-loop", action="store_true", help="--fast, the whole step compiled on the "
+                   "device (head, acceptance, cache update; a host read per 8 steps; fast/loop.py)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="default: float32, or with --fast auto: bfloat16 where the device has bf16 units, "
                    "else float32 (util/precision.py); bfloat16 and float16 decode through the engine, "
@@ -478,26 +473,15 @@ def run(args):
     if args.exact:
         check_exact(args.drafts or B, B, args.draft_threshold)
     decode, knob = decoder(args, ck.model, B, mask_id, ck.eos_ids), Knob(args.tau, sampling)
+    shown = functools.partial(trace, tok=ck.tok, eos_ids=ck.eos_ids, exact=args.exact)  # --show
     if args.chat:
         mode = "exact" if args.exact else f"tau={args.tau}, cache={args.cache}"
-        return chat(ck.tok, decode, knob, ck.eos_ids, f"B={B}, {mode}, temperature={args.temperature}")
+        return chat(ck.tok, decode, knob, ck.eos_ids, f"B={B}, {mode}, temperature={args.temperature}",
+                    shown, args.show)
     prompts = read_prompts(args, ck.tok)
-    t0 = time.perf_counter()
-    results = collect(decode(prompts, knob), len(prompts))
-    dt = time.perf_counter() - t0
-    for r in results:
-        tpf = round(len(r.ids) / r.forwards, 4)
-        record = {"ids": r.ids, "forwards": r.forwards, "tokens_per_forward": tpf}
-        if ck.tok is not None:
-            record["text"] = ck.tok.decode([t for t in r.ids if t not in ck.eos_ids])
-        if args.json:
-            print(json.dumps(record))
-        else:
-            print(record.get("text", " ".join(map(str, r.ids))))
-            print(f"[{len(r.ids)} tokens, {r.forwards} forwards, {record['tokens_per_forward']:.2f} "
-                  "tokens/forward]", file=sys.stderr)
-    n = sum(len(r.ids) for r in results)
-    print(f"[{n} tokens in {dt:.2f}s: {n / dt:.1f} tokens/s]", file=sys.stderr)
+    t0, steps = time.perf_counter(), decode(prompts, knob)
+    results = collect(shown(steps, prompts, sampling) if args.show else steps, len(prompts))
+    report(results, ck.tok, ck.eos_ids, args.json, time.perf_counter() - t0)
 
 
 def main(argv=None):
