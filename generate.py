@@ -29,7 +29,6 @@ forward: greedy token for token, or sampled in distribution) is exact.py; the
 interactive chat is chat.py; what `--show` prints of every step is show.py.
 
     python generate.py --ckpt out/default/mars --prompt "Compute 3 + 4 + 8." --tau 0.9
-    python generate.py --ckpt out/default/mars --prompt "Tell a story." --exact --temperature 0.7 --top-p 0.9
 """
 
 import argparse
@@ -50,13 +49,14 @@ from decoding import (
     check_request,
     check_tau,
     collect,
+    greedy_pick,
     logits_at,
     pad_rows,
     rows_of,
     streams,
 )
 from exact import check_exact, exact_steps
-from sampling import GREEDY, METRICS, Sampling, confidence, confident, pick, row_generators
+from sampling import GREEDY, METRICS, Sampling, argmax, confidence, confident, pick, row_generators
 from show import report, trace
 from util.files import USER_ERRORS, error_line
 from util.precision import choose_dtype, dtype_name
@@ -66,7 +66,7 @@ DEFAULT_BLOCK_CACHE = 32  # the paper's best B_cache at batch 4 and 8 (§7)
 
 
 # ---------------------------------------------------------------- the τ rule (§5.2-5.5)
-def candidates(logits, sampling=GREEDY, gens=None, ar=False):
+def candidates(logits, sampling=GREEDY, gens=None, ar=False, argmax=argmax):
     """Candidates and their confidences (§5.2-3): logits (N, n, V) at [last prefix token,
     mask 0 .. n-2] -> c (N, n), conf (N, n); conf is None in AR mode (`ar`), where nothing
     but c_0 is accepted and no softmax over V is computed.
@@ -76,11 +76,11 @@ def candidates(logits, sampling=GREEDY, gens=None, ar=False):
     distribution, independently (mask j-1 never sees the drawn c_{j-1}: MARS, not exact.py),
     and conf_j is still the RAW softmax probability of c_j (sampling.confidence). c_0 is drawn
     in a call of its own and in AR mode c_1.. are not drawn: an AR-mode step uses each row's
-    generator as the AR sampler does."""
-    c0 = pick(logits[:, :1], sampling, gens)  # (N, 1): the AR token
+    generator as the AR sampler does. argmax: the model's greedy pick (decoding.greedy_pick)."""
+    c0 = pick(logits[:, :1], sampling, gens, argmax)  # (N, 1): the AR token
     rest = logits[:, 1:]  # (N, n-1, V)
     greedy = ar or sampling.greedy or rest.shape[1] == 0
-    c = torch.cat([c0, pick(rest, GREEDY if greedy else sampling, gens)], 1)  # (N, n)
+    c = torch.cat([c0, pick(rest, GREEDY if greedy else sampling, gens, argmax)], 1)  # (N, n)
     if ar:
         return c, None
     return c, confidence(logits, c, sampling.accept_metric)
@@ -98,7 +98,7 @@ def accept(conf, tau, metric="probability"):
     return 1 + passed.long().cumprod(1).sum(1)  # c_0 and the leading run of passes, (N,)
 
 
-def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
+def take(rows, active, logits, tau, sampling=GREEDY, gens=None, argmax=argmax):
     """Apply one step's decision to the `active` rows: candidates (drawn with the active
     rows' generators), the τ rule, then the budget / EOS cut (rows.keep). logits (len(active),
     B, V) -> (kept tokens per row (all N), what the rows proposed: decoding.Step's proposed,
@@ -106,7 +106,7 @@ def take(rows, active, logits, tau, sampling=GREEDY, gens=None):
     metric = sampling.accept_metric
     check_tau(tau, metric)
     ar = ar_only(tau, metric)
-    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar)
+    cands, conf = candidates(logits, sampling, rows_of(gens, active), ar, argmax)
     n = [1] * len(active) if ar else accept(conf, tau, metric).tolist()
     at = {b: i for i, b in enumerate(active)}  # row -> its place among the active rows
     spread = lambda values, empty: [values[at[b]] if b in at else empty for b in range(len(rows.out))]
@@ -144,7 +144,7 @@ def nocache_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, 
         tau, active = knob.tau, rows.active()
         logits = nocache_logits(model, [prompts[b] + rows.out[b] for b in active], B, mask_id)
         forwards += 1
-        new, seen = take(rows, active, logits, tau, sampling, gens)
+        new, seen = take(rows, active, logits, tau, sampling, gens, greedy_pick(model))
         yield Step(new, list(rows.done), forwards, tau, **seen)  # no cache: committed None
 
 
@@ -167,7 +167,7 @@ def window_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, g
         cache.commit(n)
         forwards += 1
         logits = logits_at(model, h, (n - 1).clamp(min=0), B)[active]  # (n_active, B, V)
-        new, seen = take(rows, active, logits, tau, sampling, gens)
+        new, seen = take(rows, active, logits, tau, sampling, gens, greedy_pick(model))
         pending = [[] if d else t for t, d in zip(new, rows.done)]
         yield Step(new, list(rows.done), forwards, tau, committed=committed, **seen)
 
@@ -216,7 +216,8 @@ def block_steps(model, prompts, B, knob, max_new, mask_id, eos_ids, sampling, ge
             forwards += 1
         seq = torch.cat([last[:, None], h], 1)  # (N, W+1, C): seq[:, k] predicts slot k
         start = torch.tensor([filled[b] for b in growing], device=device)
-        new, seen = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens)
+        new, seen = take(rows, growing, logits_at(model, seq[growing], start, B), tau, sampling, gens,
+                         greedy_pick(model))
         for b in growing:
             block[b, filled[b]: filled[b] + len(new[b])] = torch.tensor(new[b], device=device)
             filled[b] += len(new[b])
@@ -279,7 +280,8 @@ def ar_decode(model, prompts, max_new_tokens, eos_ids=(), sampling=GREEDY, gener
     forwards = 1
     while True:
         active = rows.active()
-        new, seen = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens)
+        new, seen = take(rows, active, model.lm_head(last[active, None]), 1.0, sampling, gens,
+                         greedy_pick(model))
         yield Step(new, list(rows.done), forwards, 1.0, **seen)
         if all(rows.done):
             return
@@ -459,8 +461,7 @@ def run(args):
     if args.device_loop and sampling.accept_metric != "probability":
         raise ValueError(f"--device-loop compares τ with the probability, got --accept-metric "
                          f"{sampling.accept_metric}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     ck, why = open_model(args)
     print(f"[{why}]", file=sys.stderr)  # said once it loaded
     args.tau = tau_of(args, ck, sampling.accept_metric)

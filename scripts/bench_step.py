@@ -7,9 +7,11 @@ median. Wall time and process CPU time are both printed: on a shared machine the
 time (1 thread) is the steadier of the two.
 
   train   forward + backward + clip + AdamW of train.py's default batches (the AR stage's
-          first rows): ar, mars (mars_loss as train.py calls it: the two-stream attention),
-          mars-trim (trim_noisy=True: only the noisy blocks the loss reads), mars-full (the
-          reference path: the full (2l, 2l) mask tensor, mars_loss(two_stream=False)).
+          first rows), each loss from train.stage_losses in a train.StageLoss: ar, mars (as
+          train.py runs it by default: fast/window.py's two-stream attention over only the
+          noisy blocks the loss reads), mars-untrimmed (the same with the whole noisy stream:
+          trim=False), mars-full (the textbook forward, mars.mars_loss: one (2l, 2l) mask
+          tensor, as --fast_loss=false runs it).
   decode  generate.ar_decode (greedy AR with the KV cache, batch N): the time of a step;
           of its forward alone (model.hidden of one token per row against the cache +
           the LM head: what ar_decode runs per token, without the loop's bookkeeping);
@@ -23,18 +25,18 @@ time (1 thread) is the steadier of the two.
 
 import argparse
 import copy
-import inspect
 import os
 import platform
 import statistics
 import time
+from dataclasses import replace
+from functools import partial
 
 import torch
 
 import train
 from data.batches import make_batch, step_rows
 from generate import ar_decode
-from mars import mars_loss
 from model import Qwen2
 from settings import parse_settings
 
@@ -70,17 +72,17 @@ def bench_train(steps, warmup):
     from data.prepare import load_npz
 
     data = load_npz(os.path.join(S.data_dir, "train.npz"))
-    modes = {"ar": "ar", "mars": "mars", "mars-trim": "mars", "mars-full": "mars"}
-    if "trim_noisy" not in inspect.signature(mars_loss).parameters:  # a tree before the two streams
-        del modes["mars-trim"], modes["mars-full"]
+    modes = {"ar": "ar", "mars": "mars", "mars-untrimmed": "mars", "mars-full": "mars"}
     nets, opts = {}, {}
     for m, stage in modes.items():
-        net = train.StageLoss(copy.deepcopy(model0), S, ids["mask"])
+        model = copy.deepcopy(model0)
+        ar_fn, mars_fn, layout = train.stage_losses(replace(S, fast_loss=m != "mars-full"), model, ids,
+                                                    torch.device("cpu"))
+        assert layout is None, "the eager losses only: compile=false"
+        if m == "mars-untrimmed":  # mars_fn is fast.window.mars_loss_windowed with the run's settings
+            mars_fn = partial(mars_fn, trim=False)
+        net = train.StageLoss(model, ar_fn, mars_fn)
         net.stage = stage
-        if m in ("mars-trim", "mars-full"):  # trimmed noisy stream; the reference (full mask tensor)
-            kw = {"trim_noisy": True} if m == "mars-trim" else {"two_stream": False}
-            net.forward = lambda x, y, net=net, kw=kw: mars_loss(net.model, x, y, net.mask_id, S.block_size,
-                                                                 S.w_ar, S.bidirectional, **kw)
         nets[m], opts[m] = net, train.make_optimizer(net, S, torch.device("cpu"))
     times = {m: [] for m in modes}
     n_train = len(data["offsets"]) - 1
@@ -89,7 +91,7 @@ def bench_train(steps, warmup):
         x, y, _ = make_batch(data, rows, S, ids, "cpu")
         for m, net in nets.items():
             t0 = clocks()
-            net(x, y)[0].backward()
+            net({"ids": x, "labels": y, "ar_teacher": None})[0].backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip)
             opts[m].step()
             opts[m].zero_grad(set_to_none=True)
@@ -97,10 +99,10 @@ def bench_train(steps, warmup):
                 times[m].append(since(t0))
     print(f"train: default model and batches ({S.batch_size} rows, B={S.block_size}), median of {steps} "
           f"interleaved steps after {warmup}")
-    print(f"  {'mode':<10} {'wall ms':>8} {'x AR':>6} {'cpu ms':>8} {'x AR':>6} {'min cpu':>8} {'x AR':>6}")
+    print(f"  {'mode':<14} {'wall ms':>8} {'x AR':>6} {'cpu ms':>8} {'x AR':>6} {'min cpu':>8} {'x AR':>6}")
     lo = {m: 1000 * min(t[1] for t in times[m]) for m in modes}
     for m in modes:
-        print(f"  {m:<10} {med(times[m], 0):8.1f} {med(times[m], 0) / med(times['ar'], 0):6.2f} "
+        print(f"  {m:<14} {med(times[m], 0):8.1f} {med(times[m], 0) / med(times['ar'], 0):6.2f} "
               f"{med(times[m], 1):8.1f} {med(times[m], 1) / med(times['ar'], 1):6.2f} "
               f"{lo[m]:8.1f} {lo[m] / lo['ar']:6.2f}")
 

@@ -1,11 +1,13 @@
 """Training step cost of MARS against plain AR SFT (docs/spec.md §3, §7). Not a test.
 
-A MARS step forwards [clean | noisy], 2l tokens per row of l, so its cost per step is
-about twice AR SFT's: the projections and MLP double, attention over 2l is up to 4x but
-small at these lengths, and the LM head runs on the loss targets only (twice: once per
-stream, once with w_ar = 0). The paper reports about 2x the AR SFT time and about 1.5x
+A MARS step forwards [clean | noisy], 2l tokens per row of l (l + W with the engine's window,
+fast/window.py: only the noisy blocks the loss reads), so its cost per step is about twice
+AR SFT's: the projections and MLP double, attention over 2l is up to 4x but small at these
+lengths, and the LM head runs on the loss targets only (twice: once per stream, once with
+w_ar = 0). The paper reports about 2x the AR SFT time and about 1.5x
 its peak memory (§7). Both modes run the same rows (the AR stage's first steps of
-train.py), the same optimizer and code path (train.StageLoss); a step is forward +
+train.py), the same optimizer and code path (train.stage_losses in a train.StageLoss: the
+engine's MARS loss by default, --fast_loss=false the textbook one); a step is forward +
 backward + clip + AdamW, timed as the median of --steps steps after --warmup steps.
 tokens/s counts the real tokens of the rows (padding excluded), as train.py logs.
 --dtype (comma-separated, float32,bfloat16 by default) runs every mode in each compute dtype
@@ -54,24 +56,26 @@ def bench_mode(model0, S, stage, data, special, device, steps, warmup):
     """Median seconds per optimizer step, real tokens per step, CUDA peak bytes (or None)."""
     model = copy.deepcopy(model0).to(device)
     model.gradient_checkpointing = S.gradient_checkpointing
-    net = train.StageLoss(model, S, special["mask"])
+    ar_fn, mars_fn, layout = train.stage_losses(S, model, special, device)  # as train.py wires them
+    net = train.StageLoss(model, ar_fn, mars_fn)
     net.stage = stage
     opt = train.make_optimizer(net, S, device)
     amp = autocast(device, compute_dtype(S.dtype, device))
-    runner = torch.compile(net) if S.compile else net
+    static = layout is not None  # as train.wrap: the static step compiled whole, one graph per shape
+    runner = torch.compile(net, fullgraph=static, dynamic=False if static else None) if S.compile else net
     accum, mb = S.batch_size // S.micro_batch_size, S.micro_batch_size
     times, tokens = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(warmup + steps):
         rows = batch_rows(data, S, "ar", step)  # the same rows for every mode
-        batches = [make_batch(data, rows[m * mb:(m + 1) * mb], S, special, device)
+        batches = [micro_batch(data, rows[m * mb:(m + 1) * mb], S, special, device, layout)
                    for m in range(accum)]
         sync(device)
         t0 = time.perf_counter()
-        for x, y, _ in batches:
+        for batch, _ in batches:
             with amp:
-                loss = runner(x, y)[0]
+                loss = runner(batch)[0]
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), S.grad_clip or float("inf"))
         opt.step()
@@ -83,6 +87,14 @@ def bench_mode(model0, S, stage, data, special, device, steps, warmup):
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     del model, net, opt, runner
     return statistics.median(times), statistics.mean(tokens), peak
+
+
+def micro_batch(data, part, S, special, device, layout):
+    """Rows `part` -> (StageLoss's batch on `device`, real tokens), as train.step_batch makes it
+    (without a teacher): made on the host and laid out by the engine's `layout` if it has one."""
+    x, y, n_tok = make_batch(data, part, S, special, "cpu" if layout else device)
+    batch = {"ids": x, "labels": y, "ar_teacher": None}
+    return (layout(batch, device) if layout else batch), n_tok
 
 
 def main(argv=None):

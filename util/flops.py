@@ -25,7 +25,8 @@ def step_flops(cfg, tokens, head_rows, attn_pairs):
 
 
 def mars_step_flops(cfg, rows, l, W, targets, w_ar=1.0):
-    """mars.mars_loss (trim_noisy) on `rows` rows of l tokens with a noisy window of W: l + W
+    """fast.window.mars_loss_windowed (train.py's default MARS loss) on `rows` rows of l tokens
+    with a noisy window of W (fast.window.noisy_window; W = l with trim=False): l + W
     tokens a row, attention computed densely in two calls (clean l x l, noisy W x (l + W)), the
     head on each loss target once per stream (once if w_ar = 0)."""
     return step_flops(cfg, rows * (l + W), targets * (2 if w_ar else 1), rows * (l * l + W * (l + W)))

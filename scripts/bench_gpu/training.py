@@ -1,6 +1,6 @@
-"""The train section: one optimizer step at the 0.5B shape (the reference losses of mars.py and
-fast/train.py's static step, eager and compiled), its model FLOPs, MFU and peak memory against
-util/memory.py's estimate for configs/qwen2.5-0.5b-24gb.json."""
+"""The train section: one optimizer step at the 0.5B shape (train.py's default losses, mars.ar_loss
+and fast/window.py's windowed MARS loss, and fast/train.py's static step, eager and compiled), its
+model FLOPs, MFU and peak memory against util/memory.py's estimate for configs/qwen2.5-0.5b-24gb.json."""
 
 import re
 from dataclasses import replace
@@ -44,17 +44,15 @@ def train_section(out, budget):
 
 def train_one(cfg, S, kind, compiled):
     """Warm-up step, then the fastest of common.RUN.timed_steps steps, their peak memory (on CUDA), the
-    step's model FLOPs (util/flops.py: the reference's work, whichever step runs) and MFU. kind:
-    AR or MARS (the reference losses, mars.py) or "AR static" / "MARS static" (fast/train.py);
+    step's model FLOPs and MFU. kind: AR or MARS (mars.ar_loss, fast.window.mars_loss_windowed:
+    train.py's default eager losses) or "AR static" / "MARS static" (fast/train.py);
     "MARS static flex": its attention by FlexAttention (fast/flex.py); ", no checkpointing": the
     activations kept (the peak to hold against the 24 GB config's 12 GiB target); ", 8 x 1024":
     that many rows of that many tokens (default: the config's micro-batch of RUN's rows)."""
-    from fast.train import ar_loss_static, mars_loss_static, static_batch
-    from mars import IGNORE, ar_loss, mars_loss, noisy_window
-    from util.flops import ar_step_flops, mars_step_flops
+    from fast.window import use_two_stream
     from util.memory import estimate_memory
 
-    model = init_weights(Qwen2(cfg), seed=0).to(common.RUN.device)
+    model = use_two_stream(init_weights(Qwen2(cfg), seed=0).to(common.RUN.device))  # as train.py's default
     name, flex = kind, "flex" in kind
     model.gradient_checkpointing = "no checkpointing" not in kind
     if flex:
@@ -66,25 +64,7 @@ def train_one(cfg, S, kind, compiled):
     kind = kind.split(",")[0].replace(" flex", "")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 150000, (rows, T), generator=g).to(common.RUN.device)
-    labels = ids.clone()
-    labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
-    N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
-    flops = ar_step_flops(cfg, N, T, targets) if kind.startswith("AR") else \
-        mars_step_flops(cfg, N, T, W, targets)
-    x, y, window = static_batch(ids.cpu(), labels.cpu(), 0, 4, 128)
-    device = common.RUN.device
-    x, y, window = x.to(device), y.to(device), (window[0].to(device), window[1])
-
-    def loss_of(ids, labels):
-        if kind == "AR static":
-            return ar_loss_static(model, x, y)
-        if kind == "MARS static":
-            return mars_loss_static(model, x, y, window, MASK, 4, flex=flex)[0]
-        return ar_loss(model, ids, labels) if kind == "AR" else mars_loss(model, ids, labels, MASK, 4,
-                                                                         trim_noisy=True)[0]
-
+    ids, labels, loss_of, flops = step_of(model, cfg, kind, flex, rows, T)
     loss_fn = torch.compile(loss_of, fullgraph=kind.endswith("static")) if compiled else loss_of
 
     def one_step():
@@ -107,3 +87,36 @@ def train_one(cfg, S, kind, compiled):
         else None
     return dict(loss=name, compiled=compiled, ms=1000 * min(times), peak_GiB=peak, tflops=flops / 1e12,
                 mfu=None if peak_fl is None else flops / min(times) / peak_fl, estimate_GiB=estimate)
+
+
+def step_of(model, cfg, kind, flex, rows, T):
+    """The step of train_one: (ids, labels) rows x T random tokens on RUN's device, the first
+    quarter a prompt; the loss of `kind` (without its size and flex) as a function of them; its
+    model FLOPs (util/flops.py: the reference's work, whichever loss runs)."""
+    from fast.train import ar_loss_static, mars_loss_static, static_batch
+    from fast.window import mars_loss_windowed, noisy_window
+    from mars import IGNORE, ar_loss
+    from util.flops import ar_step_flops, mars_step_flops
+
+    device = common.RUN.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 150000, (rows, T), generator=g).to(device)
+    labels = ids.clone()
+    labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
+    N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
+    flops = ar_step_flops(cfg, N, T, targets) if kind.startswith("AR") else \
+        mars_step_flops(cfg, N, T, W, targets)
+    # buckets of 128 tokens (512-token rows stay 512); a dry run's 32-token rows are not padded to 128
+    x, y, window = static_batch(ids.cpu(), labels.cpu(), 0, 4, min(128, T))
+    x, y, window = x.to(device), y.to(device), (window[0].to(device), window[1])
+
+    def loss_of(ids, labels):
+        if kind == "AR static":
+            return ar_loss_static(model, x, y)
+        if kind == "MARS static":
+            return mars_loss_static(model, x, y, window, MASK, 4, flex=flex)[0]
+        if kind == "AR":
+            return ar_loss(model, ids, labels)
+        return mars_loss_windowed(model, ids, labels, MASK, 4)[0]
+
+    return ids, labels, loss_of, flops

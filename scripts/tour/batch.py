@@ -69,9 +69,11 @@ def streams_section(ids, labels):
             "noisy query sees the clean tokens of earlier blocks and, causally, its own block of the "
             "noisy stream; no clean query sees a noisy key."]
     out += [""] + grid(allowed, rows, [str(i % l) for i in range(2 * l)], range(B, 2 * l, B), {l})
-    out += ["", f"As run, {fn('mars.two_stream_window')} hands the model a `model.TwoStreamMask` holding "
-            f"only the noisy rows ({l}, {2 * l}): the clean rows are ordinary causal attention, "
-            "with no mask tensor.", ""]
+    out += ["", "By default train.py runs this loss through the engine's window "
+            "([`fast/window.py`](../fast/window.py)), the same loss and gradients: it keeps only the noisy "
+            "blocks the loss reads, runs the clean queries as ordinary causal attention with no mask "
+            "tensor and hands attention only the kept noisy queries' rows of this mask. "
+            "`--fast_loss=false` runs it as drawn here.", ""]
     return out
 
 
@@ -90,12 +92,14 @@ def loss_section(model, ids, labels):
     mars_loss returns only the three means, so the per-target CE is computed by the
     functions mars_loss calls, in its order; the means are checked equal to mars_loss's."""
     N, l = ids.shape
-    rows, src, tokens = mars._targets(labels)  # (n,) each: target src+1 is read at output src
-    inputs, position_ids, mask, start = mars.two_stream_window(ids, labels, MASK, B, trim=False)
+    inputs, position_ids = mars.two_stream_batch(ids, labels, MASK)  # (N, 2l) each: [clean | noisy]
+    mask = mars.mars_attention_mask(l, B)  # (2l, 2l)
     h = model.hidden(inputs, position_ids, mask)  # (N, 2l, C)
-    ce_noisy = mars._ce_at(model, h, rows, l + src - start[rows], tokens)  # (n,)
+    h_clean, h_noisy = h[:, :l], h[:, l:]  # (N, l, C) each: what mars_loss hands mars.summed_loss
+    rows, src, tokens = mars._targets(labels)  # (n,) each: target src+1 is read at output src
+    ce_noisy = mars._ce_at(model, h_noisy, rows, src, tokens)  # (n,)
     l_mask = mars._per_sequence_mean(ce_noisy, rows, N)
-    ce_clean = mars._clean_at(model, h, rows, src, tokens)  # (n,): the CE, as no teacher is given
+    ce_clean = mars._clean_at(model, h_clean, rows, src, tokens)  # (n,): the CE, as no teacher is given
     l_ar = mars._per_sequence_mean(ce_clean, rows, N)
     loss, ref_mask, ref_ar = mars.mars_loss(model, ids, labels, MASK, B)
     assert torch.equal(l_mask, ref_mask) and torch.equal(l_ar, ref_ar) and torch.equal(loss, l_mask + l_ar)
@@ -114,8 +118,9 @@ def loss_section(model, ids, labels):
     per_row = [" + ".join(f"{{{k}}}" for k in range(n) if rows[k] == r) for r in range(N)]
     formula = " + ".join(f"({terms}) / {int((rows == r).sum())}" for r, terms in enumerate(per_row))
     out += ["", f"### 1.6 The loss: {fn('mars.mars_loss')} (§4)", "",
-            f"One forward, `model.hidden(inputs ({N}, {2 * l}), position_ids, mask)` -> h "
-            f"({N}, {2 * l}, {C}); the LM head runs only on the {n} outputs that carry loss, per stream: "
+            f"One forward, `model.hidden(inputs ({N}, {2 * l}), position_ids, mask ({2 * l}, {2 * l}))` -> h "
+            f"({N}, {2 * l}, {C}), split into the two streams' outputs for {fn('mars.summed_loss')}; the LM "
+            f"head runs only on the {n} outputs that carry loss, per stream: "
             f"logits ({n}, {len(VOCAB)}) -> CE ({n},) (`mars._ce_at`, for L_AR through `mars._clean_at`, "
             "which is the CE when no teacher is given). Each term is a mean per row, "
             f"then over the {N} rows (`mars._per_sequence_mean`). These are the calls `mars_loss` makes, "

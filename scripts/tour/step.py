@@ -33,7 +33,7 @@ def tau_step(model, rows, cache, pending):
     c, conf = generate.candidates(logits)  # what generate.take computes first, shown here
     assert (conf - TAU).abs().min() > 1e-3, "a probability lies within 1e-3 of τ"
     n_acc = int(generate.accept(conf, TAU)[0])
-    kept = generate.take(rows, [0], logits, TAU)
+    kept, _ = generate.take(rows, [0], logits, TAU)  # (kept tokens per row, what --show prints)
     return x, positions, c[0].tolist(), conf[0].tolist(), n_acc, kept
 
 
