@@ -24,8 +24,9 @@ rewritten after each, so a run cut short keeps what it measured:
             estimate for configs/qwen2.5-0.5b-24gb.json
 
 On a machine without CUDA it says so in one line and exits 0. `--dry-run` runs every section on
-the CPU instead, at a tiny shape (2 layers, width 64, Qwen2.5's vocabulary; 32-token training
-rows; the main job for 2 + 2 steps without its evaluation, and its checkpoint decoding), to
+the CPU instead, at a tiny shape (2 layers, width 64, a vocabulary of 1,024, matmuls in tiles of 16
+rows; 32-token training rows; the main job for 2 + 2 steps without its evaluation, and its
+checkpoint decoding), to
 out/bench_gpu_dry_run.md: the script's own check before GPU time is spent on it
 (tests/test_bench_gpu.py runs it). Its numbers measure nothing.
 
@@ -45,6 +46,7 @@ import time
 
 import torch
 
+from fast.linear import set_row_tile
 from scripts.bench_gpu import common
 from scripts.bench_gpu.decode import decode_section
 from scripts.bench_gpu.jobs import main_job_section, toy_section
@@ -83,8 +85,14 @@ def main(argv=None):
     budget = Budget(args.minutes, args.out)
     dry = " -- a dry run: these numbers measure nothing" if args.dry_run else ""
     out = dict(machine=machine(RUN.device) + dry, skipped=[])
-    with tempfile.TemporaryDirectory() as work:  # the main job's checkpoint, for the toy section
-        run_sections(args, out, budget, work)
+    device = torch.device(RUN.device)
+    tile = set_row_tile(device, RUN.row_tile) if RUN.row_tile else None
+    try:
+        with tempfile.TemporaryDirectory() as work:  # the main job's checkpoint, for the toy section
+            run_sections(args, out, budget, work)
+    finally:
+        if tile is not None:  # the process's own tile again (tests run main in their process)
+            set_row_tile(device, tile)
     print(page(json.loads(json.dumps(out, default=str))))
     return 0
 

@@ -12,7 +12,6 @@ from model import Qwen2, Qwen2Config, init_weights
 
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s, the vendors' figures
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM), the vendors' figures
-MASK = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
 
 
 @dataclass(frozen=True)
@@ -30,19 +29,25 @@ class Run:
     main_flags: list  # train.py's flags beyond --device and --out_dir
     toy_tokens: int | None  # the toy's replies end at EOS or here (None: --new-tokens)
     big_step: tuple = (8, 1024)  # the training step's larger shape, rows x tokens
+    mask_id: int = 151665  # Qwen2.5's <|mask|> (docs/spec.md §2)
+    ids_below: int = 150000  # prompts and training rows draw their token ids below this
+    row_tile: int | None = None  # the row tile of the run's low-precision matmuls (None: the machine's)
 
 
 GPU_RUN = Run(device="cuda", model="random Qwen2.5-0.5B shape", shape={}, batch_sizes=[1, 4, 16],
               new_tokens=64, out="results/GPU", row_tokens=512, timed_steps=3, main_flags=[], toy_tokens=96)
+# The dry run checks the code paths, cheaply: a vocabulary of 1,024 (Qwen's 151,936 made its bf16
+# head most of its time where bf16 is emulated), and the row tile of a CPU with bf16 units on every
+# CPU (one without has a tile of 1: a step's rows never padded, as a GPU's tile of 128 pads them,
+# and its graphs a call per row)
 DRY_RUN = Run(device="cpu", model="tiny random model (dry run)",
-              shape=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2),
+              shape=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2),
               batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=32, timed_steps=1,
               main_flags=["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"],
               toy_tokens=None,  # an untrained toy reaches no EOS: --new-tokens
-              big_step=(2, 32))  # the code path, cheaply: Qwen's vocabulary makes the static head slow
+              big_step=(2, 32), mask_id=1023, ids_below=1000, row_tile=16)
 RUN = GPU_RUN
-
 
 
 def use(run):
@@ -80,7 +85,7 @@ def sync():
 def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(0, 150000, (int(L),), generator=g).tolist()
+        torch.randint(0, RUN.ids_below, (int(L),), generator=g).tolist()
         for L in torch.randint(32, 49, (n,), generator=g)
     ]
 

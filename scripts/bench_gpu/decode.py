@@ -32,7 +32,7 @@ from fast.loop import (
 from fast.step import switch_step
 from generate import generate, generate_ar
 from scripts.bench_gpu import common
-from scripts.bench_gpu.common import MASK, empty_cache, engine, graph_count, prompts, random_05b, sync, timed
+from scripts.bench_gpu.common import empty_cache, engine, graph_count, prompts, random_05b, sync, timed
 
 B = 4  # the mask block of the τ window and exact mode (the random model's is noise anyway)
 
@@ -43,11 +43,11 @@ def our_decoders(model):
     out = {
         "AR": lambda p, n: generate_ar(model, p, n),
         "tau=0.95 window": lambda p, n: generate(model, p, block_size=B, tau=0.95, max_new_tokens=n,
-                                                 mask_id=MASK),
+                                                 mask_id=common.RUN.mask_id),
     }
     for K in (1, 2, 4):
         out[f"exact K={K}"] = lambda p, n, K=K: generate_exact(model, p, block_size=B, drafts=K,
-                                                               max_new_tokens=n, mask_id=MASK)
+                                                               max_new_tokens=n, mask_id=common.RUN.mask_id)
     return out
 
 
@@ -58,11 +58,11 @@ def device_loops(model):
     out = {
         "AR device loop compiled": lambda p, n: generate_ar_device(model, p, n, (), 8, step[ar_step]),
         "tau=0.95 window device loop compiled": lambda p, n: generate_window_device(
-            model, p, B, 0.95, n, MASK, (), 8, step[window_step]),
+            model, p, B, 0.95, n, common.RUN.mask_id, (), 8, step[window_step]),
     }
     for K in (2, 4):
         out[f"exact K={K} device loop compiled"] = lambda p, n, K=K: generate_exact_device(
-            model, p, K, n, MASK, (), 8, step[exact_step])
+            model, p, K, n, common.RUN.mask_id, (), 8, step[exact_step])
     return out
 
 

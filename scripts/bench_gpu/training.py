@@ -9,7 +9,7 @@ import torch
 
 from model import Qwen2, Qwen2Config, init_weights
 from scripts.bench_gpu import common
-from scripts.bench_gpu.common import MASK, empty_cache, peak_flops, timed
+from scripts.bench_gpu.common import empty_cache, peak_flops, timed
 
 
 def train_section(out, budget):
@@ -100,7 +100,7 @@ def step_of(model, cfg, kind, flex, rows, T):
 
     device = common.RUN.device
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 150000, (rows, T), generator=g).to(device)
+    ids = torch.randint(0, common.RUN.ids_below, (rows, T), generator=g).to(device)
     labels = ids.clone()
     labels[:, : T // 4] = IGNORE  # a prompt of a quarter of the row (128 of 512 tokens), then the answer
     N, targets, W = ids.shape[0], int((labels[:, 1:] != IGNORE).sum()), noisy_window(labels.cpu(), 4)[1]
@@ -114,9 +114,9 @@ def step_of(model, cfg, kind, flex, rows, T):
         if kind == "AR static":
             return ar_loss_static(model, x, y)
         if kind == "MARS static":
-            return mars_loss_static(model, x, y, window, MASK, 4, flex=flex)[0]
+            return mars_loss_static(model, x, y, window, common.RUN.mask_id, 4, flex=flex)[0]
         if kind == "AR":
             return ar_loss(model, ids, labels)
-        return mars_loss_windowed(model, ids, labels, MASK, 4)[0]
+        return mars_loss_windowed(model, ids, labels, common.RUN.mask_id, 4)[0]
 
     return ids, labels, loss_of, flops
