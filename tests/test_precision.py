@@ -16,6 +16,7 @@ import fast.argmax
 import fast.linear
 import generate as generate_cli
 import sampling
+from decoding import greedy_pick
 from fast.linear import FastLinear
 from tests.conftest import make_hf_model
 from util import precision
@@ -151,4 +152,5 @@ def test_generate_says_which_dtype_it_chose_and_uses_it(tmp_path, monkeypatch, c
     assert isinstance(model, fast.FastQwen2) == engine
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(m, FastLinear) == engine for m in linears)
-    assert (sampling.argmax is fast.argmax.block_argmax) == engine  # conftest sets the reference's
+    assert (greedy_pick(model) is fast.argmax.block_argmax) == engine  # the engine's pick, on its model
+    assert sampling.argmax is not fast.argmax.block_argmax  # and no core name rebound

@@ -170,10 +170,10 @@ def check_top_p_margin(monkeypatch):
     record each call's top-p margin (sampling_reference.top_p_margin; inf when top-p is off)."""
     real, margins = generate_module.pick, [math.inf]
 
-    def spy(logits, s, gens=None):
+    def spy(logits, s, gens=None, *pick_args):
         if logits.numel():
             margins.append(top_p_margin(logits, s))
-        return real(logits, s, gens)
+        return real(logits, s, gens, *pick_args)
     monkeypatch.setattr(generate_module, "pick", spy)
     return margins
 
