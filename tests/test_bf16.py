@@ -218,10 +218,14 @@ def test_exact_mode_in_bf16_is_bf16_ar(threads):
     """Exact mode in bf16 emits bf16 greedy AR's tokens, token for token, for K = 1, 2, 4, one
     prompt at a time and in a batch, on two threads and one; and AR in a batch is AR alone. A
     16-token vocabulary makes the random masks' drafts right often enough that accepted drafts
-    are committed and read on. These are this machine's real kernels."""
+    are committed and read on. These are this machine's real kernels: 4 prompts and 24 tokens on
+    a CPU with bf16 units, 3 and 16 on one that emulates bf16 (slow there, and at 2 threads beside
+    the suite's other worker slower still; the construction itself is proven whatever the kernels
+    do, test_row_invariance_holds_whatever_the_kernels_do_at_each_shape)."""
     torch.set_num_threads(threads)
     seed = threads - 1  # another model and prompts on each thread count
-    out, tpf = decodes(tiny_bf16(seed), prompts_of(seed))
+    n, new = (4, 24) if precision.cpu_bf16_units()[0] else (3, 16)
+    out, tpf = decodes(tiny_bf16(seed), prompts_of(seed, n=n), max_new=new)
     assert differing(out) == []
     assert tpf > 1.05  # drafts were accepted: the verification path really ran
 

@@ -63,13 +63,15 @@ def test_compiled_row_invariance_holds_whatever_the_kernels_do_at_each_shape(mon
     engine's compiled exact mode K = 2 in a batch and AR alone equal AR in the batch, because
     every matmul and attention call of a bf16 step has one shape (the row tile; QUERY_TILE query
     rows against one key block). The proof can fail: with the rows as they come (the matmul and
-    attention tiles removed), the same compiled decoders differ."""
+    attention tiles removed), the same compiled decoders differ. One layer (its inductor compile
+    is the test's time; the construction is the same in every layer, and a layer's rounding
+    alone flips tokens: the mutation fails)."""
     kernels = ShapeDependentKernels(monkeypatch)
     if not tiles:
         tiles_removed_from_matmuls(monkeypatch)
         tiles_removed_from_attention(monkeypatch)
     before = graphs_built()
-    model = fast.make_fast(tiny_bf16(2, engine=False, width=SMALL, std=0.2), compile=True)
+    model = fast.make_fast(tiny_bf16(2, engine=False, layers=1, width=SMALL, std=0.2), compile=True)
     out, tpf = three_decoders(model, prompts_of(2, n=3), 16, MASK)
     assert graphs_built() >= before + 3  # the stand-ins ran inside the compiled steps (more graphs: breaks)
     assert (differing(out) == []) == tiles

@@ -292,25 +292,56 @@ BAD_INPUT = {  # CLI arguments overriding a valid call -> the message naming the
 }
 
 
+# BAD_INPUT's command lines in one interpreter (one Python + torch start-up, not 15), each ending
+# as `python generate.py ARGS` ends: main's return code, SystemExit's (argparse's 2; a message is
+# printed, 1), or an exception's traceback printed, 1
+BAD_INPUT_RUNS = """
+import contextlib, io, json, sys, traceback
+import generate
+out = {}
+for name, args in json.loads(sys.argv[1]).items():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            rc = generate.main(args)
+        except SystemExit as e:
+            rc = e.code
+            if not (rc is None or isinstance(rc, int)):
+                print(rc, file=sys.stderr)
+                rc = 1
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    out[name] = [rc or 0, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
+
+
 @pytest.fixture(scope="module")
 def cli_runs(cli_ckpt):
-    """Every CLI case of this file, started at once (each pays a Python + torch start-up)
-    -> {case: (returncode, stdout, stderr)}."""
+    """Every CLI case of this file, started at once: the two decodes as `python generate.py`, the
+    bad inputs in one interpreter (BAD_INPUT_RUNS) -> {case: (returncode, stdout, stderr)}."""
     ckpt = cli_ckpt[0]
     cases = {"ok": ["--ckpt", ckpt, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--mask-id",
                     str(MASK), "--tau", "1", "--block-size", "4", "--max-new-tokens", "12", "--json",
                     "--dtype", "float32"]}  # the reference is fp32, whatever `auto` picks on this CPU
     cases["compiled"] = cases["ok"] + ["--compile"]
+    bad = {}
     for name, (override, _) in BAD_INPUT.items():
         args = {"--ckpt": ckpt, "--prompt-ids": "5,17,99", "--mask-id": str(MASK)}
         args.update(zip(override[::2], override[1::2]))
-        cases[name] = [x for k, v in args.items() if v is not None for x in (k, v)]
+        bad[name] = [x for k, v in args.items() if v is not None for x in (k, v)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {name: subprocess.Popen([sys.executable, "generate.py", *args], cwd=ROOT, env=env, text=True,
+    commands = {name: ["generate.py", *args] for name, args in cases.items()}
+    commands["bad"] = ["-c", BAD_INPUT_RUNS, json.dumps(bad)]
+    procs = {name: subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, args in cases.items()}
+             for name, command in commands.items()}
     outputs = {name: p.communicate(timeout=300) for name, p in procs.items()}
-    return {name: (procs[name].returncode, *outputs[name]) for name in procs}
+    runs = {name: (procs[name].returncode, *outputs[name]) for name in cases}
+    rc, stdout, stderr = procs["bad"].returncode, *outputs["bad"]
+    assert rc == 0, stderr
+    return runs | {name: tuple(run) for name, run in json.loads(stdout).items()}
 
 
 def test_cli_prompt_ids_json_without_tokenizer(cli_ckpt, cli_runs):
