@@ -12,7 +12,9 @@ The task protocol (issue 54), its --smoke run once for the module on a tiny rand
 stages keep the protocol; every reply of the sweep is a JSONL row whose verdict is the grader's and
 whose counts a re-decode gives back; the page comes back from results.json alone; a lost piece of
 the evaluation is made again and only it; its numbers are counts of the rows and its targets
-turn at their bounds."""
+turn at their bounds. Its pilot (--pilot): the proposal's candidate reuses the run's stages, another
+trains its own; the numbers are counts of validation replies and the choice is the rule written out;
+each candidate has its own run dir; the committed config runs what the committed pilot chose."""
 
 import json
 import os
@@ -266,7 +268,21 @@ def test_report_renders_the_committed_page_from_its_json_alone(monkeypatch):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASK_RUN = os.path.join("out", "real_model", "smollm2-task-smoke")  # the smoke's run dir, in its root
+
+
+def task_run_dir():
+    """The smoke's run dir, in its root: protocol.run_name's for the config's settings (the pilot's first
+    candidate runs in smollm2-task-smoke, another in smollm2-task-smoke-KEYVALUE)."""
+    from scripts.real_model.protocol import run_name, smoke_config
+    from scripts.real_model.run import load_config, train_settings
+
+    _, full, cfg = load_config(os.path.join(REPO, "configs", "smollm2-task.json"), True)
+    cfg = smoke_config(cfg)
+    return os.path.join("out", "real_model", run_name("smollm2-task-smoke", cfg, train_settings(full, cfg)))
+
+
+TASK_BASE = os.path.join("out", "real_model", "smollm2-task-smoke")
+TASK_RUN = task_run_dir()
 
 
 @pytest.fixture(scope="module")
@@ -459,3 +475,108 @@ def test_task_targets_are_reached_exactly_at_their_bounds():
     at = [r[2] for r in target_rows(res(-0.01, 1.5, -0.02, 0.48, 1.3))]
     past = [r[2] for r in target_rows(res(-0.0101, 1.499, -0.0201, 0.479, 1.299))]
     assert at == ["yes"] * 5 and past == ["no"] * 5
+
+
+
+STAGE_RELEASES = (("sft", "ar"), ("mars", "mars"))
+
+
+def rule_choice(cands, tau, min_tpf):
+    """The pilot's rule written out: the best accuracy at τ among those reaching min_tpf tokens per forward
+    there (all, if none does), τ = 1's accuracy next, then the list's order (sorted is stable)."""
+    t = f"{tau:g}"
+    pool = [c for c in cands if c["val"][t]["tokens_per_forward"] >= min_tpf] or cands
+    return sorted(pool, key=lambda c: (-c["val"][t]["accuracy"], -c["val"]["1"]["accuracy"]))[0]
+
+
+def release_stats(run_dir):
+    return {s: os.stat(run_dir / s / r / "model.safetensors").st_mtime_ns for s, r in STAGE_RELEASES}
+
+
+def test_task_pilot_chooses_on_validation_by_its_rule(task_smoke, monkeypatch, capsys):
+    """`--pilot` on the smoke: the candidate with the config's own settings reuses the smoke run's stages
+    1 and 2 (skipped, their weights untouched); the other trains its own, both stages at its lr, stage 2
+    from its own stage 1; each candidate's numbers are counts of MARS's replies to the first n_eval
+    validation problems (none of them a test problem); the choice is the rule written out here."""
+    from scripts.real_model.__main__ import main
+    from scripts.real_model.protocol import SMOKE
+
+    monkeypatch.chdir(task_smoke)
+    main_run = task_smoke / TASK_RUN
+    weights = release_stats(main_run)
+    capsys.readouterr()
+    main(["--config", "task", "--smoke", "--pilot"])
+    out = capsys.readouterr().out
+    res = json.load(open(main_run / "results" / "pilot.json"))
+    cands, tau, n = res["candidates"], SMOKE["pilot_overrides"]["tau"], SMOKE["pilot_overrides"]["n_eval"]
+    assert [c["run_dir"] for c in cands] == [TASK_BASE, TASK_BASE + "-lr3e-05"]
+    assert TASK_RUN in (TASK_BASE, TASK_BASE + "-lr3e-05")
+    for c, printed in zip(cands, out.split("[pilot] candidate ")[1:]):
+        done = "done before" if c["run_dir"] == TASK_RUN else "starting"
+        assert f"[sft] {done}" in printed and f"[mars] {done}" in printed
+        d = task_smoke / c["run_dir"]
+        sft, mars = (json.load(open(d / s / r / "mars.json"))["settings"] for s, r in STAGE_RELEASES)
+        assert sft["lr"] == mars["lr"] == c["settings"]["lr"]
+        assert mars["init_from"] == os.path.join(c["run_dir"], "sft", "ar")
+    assert release_stats(main_run) == weights
+    for c in cands:
+        d = task_smoke / c["run_dir"]
+        val = [p["id"] for p in read_jsonl(d / "data" / "val.jsonl")][:n]
+        test = {p["id"] for p in read_jsonl(d / "data" / "test.jsonl")}
+        assert c["problems"] == val and not set(val) & test
+        for t in (1.0, tau):
+            rows = json.load(open(d / "eval_val" / f"decode_mars_tau{t:g}.json"))["result"]["rows"]
+            assert [r["problem"] for r in rows] == val
+            v = c["val"][f"{t:g}"]
+            assert v["accuracy"] == sum(r["correct"] for r in rows) / len(rows)
+            tokens, forwards = sum(r["tokens"] for r in rows), sum(r["forwards"] for r in rows)
+            assert v["tokens_per_forward"] == tokens / forwards
+    best = rule_choice(cands, tau, 1.5)
+    assert res["chosen"] == cands.index(best) and res["chosen_settings"] == best["settings"]
+    assert "**yes**" in (main_run / "results" / "PILOT.md").read_text()
+
+
+def test_task_pilot_rule_on_hand_made_numbers():
+    """choose(): the τ rule's accuracy decides among those reaching the tokens per forward; a more
+    accurate candidate below it loses; τ = 1's accuracy breaks a tie, then the list's order; none
+    reaching it: all."""
+    from scripts.real_model.task_pilot import choose
+
+    def c(acc1, acc, tpf):
+        return {"val": {"1": {"accuracy": acc1}, "0.95": {"accuracy": acc, "tokens_per_forward": tpf}}}
+    assert choose([c(0.3, 0.25, 1.6), c(0.3, 0.28, 1.49), c(0.3, 0.26, 1.5)], 0.95, 1.5) == 2
+    assert choose([c(0.3, 0.26, 1.6), c(0.31, 0.26, 1.5)], 0.95, 1.5) == 1
+    assert choose([c(0.3, 0.26, 1.6), c(0.3, 0.26, 1.7)], 0.95, 1.5) == 0
+    assert choose([c(0.3, 0.20, 1.2), c(0.3, 0.22, 1.1)], 0.95, 1.5) == 1
+
+
+def test_task_pilot_run_dirs_and_bad_candidates():
+    """protocol.run_name: each candidate its own run dir, the first the config's name, also a candidate
+    sharing the first's lr and differing in steps only (one matched the first by its lr alone once, and
+    trained into the first's dir); settings no candidate lists, or no pilot: the config's name.
+    check_pilot stops, naming the file, on candidates naming different settings, a setting the config
+    lacks, or one candidate twice."""
+    from scripts.real_model.protocol import check_pilot, run_name
+
+    cands = [{"lr": 1e-4, "ar_steps": 64}, {"lr": 3e-5, "ar_steps": 64}, {"lr": 1e-4, "ar_steps": 112}]
+    cfg, S = {"pilot": {"candidates": cands}}, {"lr": 1e-4, "ar_steps": 64, "mars_steps": 112}
+    assert [run_name("t", cfg, {**S, **c}) for c in cands] == ["t", "t-lr3e-05", "t-ar_steps112"]
+    assert run_name("t", cfg, {**S, "lr": 5e-5}) == run_name("t", {}, S) == "t"
+    check_pilot(cfg, "c.json", S)
+    for bad in ([cands[0], {"lr": 3e-5}], [{"lr": 1e-4, "warm": 1}], [cands[1], cands[2], cands[1]]):
+        with pytest.raises(SystemExit, match="c.json: "):
+            check_pilot({"pilot": {"candidates": bad}}, "c.json", S)
+
+
+def test_task_config_runs_what_the_committed_pilot_chose():
+    """configs/smollm2-task.json's settings are the ones its committed pilot (results/real_model/task/
+    pilot.json) chose on validation, and that choice is the rule's on the pilot's recorded numbers."""
+    cfg = json.load(open(os.path.join(REPO, "configs", "smollm2-task.json")))
+    res = json.load(open(os.path.join(REPO, cfg["_real_model"]["results_dir"], "pilot.json")))
+    p = cfg["_real_model"]["pilot"]
+    assert [c["settings"] for c in res["candidates"]] == p["candidates"]
+    assert [res[k] for k in ("tau", "min_tokens_per_forward", "n_eval")] == \
+        [p[k] for k in ("tau", "min_tokens_per_forward", "n_eval")]
+    best = rule_choice(res["candidates"], res["tau"], res["min_tokens_per_forward"])
+    assert res["chosen_settings"] == best["settings"]
+    assert all(cfg[k] == v for k, v in best["settings"].items())

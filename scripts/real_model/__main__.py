@@ -10,6 +10,8 @@
                                                      # the task set (protocol.py: its own stages)
     python -m scripts.real_model --config task --until ceiling_r3   # only round 3's ceiling (the base)
     python -m scripts.real_model --config task --report             # its page again from its results.json
+    python -m scripts.real_model --config task --pilot              # lr, stage 1 steps chosen on val first
+                                                                    # (task_pilot.py)
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
@@ -55,10 +57,10 @@ import os
 
 import torch
 
-from scripts.real_model import protocol, task_page
+from scripts.real_model import protocol, task_page, task_pilot
 from scripts.real_model.committed import export_rows
 from scripts.real_model.page import rewrite
-from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir
+from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir, train_settings
 from scripts.real_model.stages import (
     stage_arms,
     stage_arrays,
@@ -89,11 +91,16 @@ def main(argv=None):
     ap.add_argument("--report", action="store_true", help="rewrite RESULTS.md, tau_sweep.png and "
                     "summary.json in the results dir from its results.json alone (no model, no run), "
                     "and stop")
+    ap.add_argument("--pilot", action="store_true", help="the task protocol's pilot: each candidate of the "
+                    "config's \"pilot\" trained and evaluated on validation, the rule's choice -> pilot.json "
+                    "(task_pilot.py), and stop")
     a = ap.parse_args(argv)
     path, full, cfg = load_config(a.config, a.smoke)
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
     if protocol.is_protocol(cfg):
         return run_protocol(a, name, path, full, cfg)
+    if a.pilot:
+        raise SystemExit("--pilot belongs to the task protocol (--config task), not round 3's configs")
     if a.report:
         return rewrite(results_dir(name, cfg, a.smoke))
     if "n_test" not in full["_real_model"]:
@@ -120,9 +127,17 @@ def run_protocol(a, name, path, full, cfg):
     if a.export_rows:
         raise SystemExit("--export-rows belongs to round 3's configs, not the task protocol")
     cfg = protocol.smoke_config(cfg) if a.smoke else cfg
+    protocol.check_pilot(cfg, path, train_settings(full, cfg))
+    run_name = protocol.run_name(name, cfg, train_settings(full, cfg))  # the pilot's candidate it is, if any
     if a.report:
-        return task_page.rewrite(results_dir(name, cfg, a.smoke))
-    run = Run(name, cfg, path, full, a.smoke)
+        return task_page.rewrite(results_dir(run_name, cfg, a.smoke))
+    if a.pilot:
+        if "pilot" not in cfg:
+            raise SystemExit(f"{path}: no \"pilot\" in its \"_real_model\" (the candidates --pilot tries)")
+        torch.set_num_threads(cfg["threads"])
+        torch.manual_seed(cfg["seed"])
+        return task_pilot.run_pilot(name, path, full, cfg, a.smoke, results_dir(run_name, cfg, a.smoke))
+    run = Run(run_name, cfg, path, full, a.smoke)
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
     print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, the task protocol, run dir {run.dir}; "

@@ -79,6 +79,8 @@ EVAL_CODE = DECODING + ("exact.py", "data/tasks/grade.py") + tuple(
 SMOKE = {"tasks": {"train": 4, "val": 4, "test": 4}, "threads": 1,
          "n_eval": 4, "taus": [1.0, 0.03], "taus_ar": [1.0], "max_new_tokens": 12, "eval_batch": 2,
          "n_exact": 4, "drafts": [2, 4], "n_timed": 2, "timing_rounds": 1, "dtype": "float64",
+         "pilot_overrides": {"tau": 0.03, "n_eval": 4, "candidates": [{"lr": 1e-4, "ar_steps": 2},
+                                                                     {"lr": 3e-5, "ar_steps": 2}]},
          "r3_overrides": {"max_prompt_tokens": 512},
          "train": {"ar_steps": 2, "mars_steps": 2, "batch_size": 2, "micro_batch_size": 2, "bucket_window": 1,
                    "ckpt_interval": 1, "eval_interval": 1, "eval_rows": 2}}
@@ -91,7 +93,40 @@ def is_protocol(cfg):
 def smoke_config(cfg):
     """The run's config shrunk for --smoke (SMOKE over run.load_config's round-3 smoke)."""
     train_over = {**cfg.get("train_overrides", {}), **SMOKE["train"]}
-    return {**cfg, **{k: v for k, v in SMOKE.items() if k != "train"}, "train_overrides": train_over}
+    out = {**cfg, **{k: v for k, v in SMOKE.items() if k not in ("train", "pilot_overrides")},
+           "train_overrides": train_over}
+    if "pilot" in cfg:
+        out["pilot"] = {**cfg["pilot"], **SMOKE["pilot_overrides"]}
+    return out
+
+
+def check_pilot(cfg, path, settings):
+    """A clear stop unless the config's pilot candidates each set the same train.py settings, ones the
+    config has (settings: the run's), and no two are the same."""
+    cands = cfg.get("pilot", {}).get("candidates", [])
+    unknown = sorted(set(cands[0]) - set(settings)) if cands else []
+    if unknown:
+        raise SystemExit(f"{path}: pilot candidate {cands[0]} sets {unknown}, not train.py settings of "
+                         "the config")
+    for c in cands:
+        if set(c) != set(cands[0]):
+            raise SystemExit(f"{path}: pilot candidate {c} sets {sorted(c)}, the first "
+                             f"{sorted(cands[0])}: every candidate names the same settings")
+    if len({json.dumps(c, sort_keys=True) for c in cands}) < len(cands):
+        raise SystemExit(f"{path}: the pilot lists a candidate twice: {cands}")
+
+
+def run_name(name, cfg, settings):
+    """The run dir's name for train.py `settings`: name-KEYVALUE when they are a pilot candidate other
+    than the first (KEYVALUE: where it differs from the first, e.g. smollm2-task-lr3e-05), else `name`
+    (the first candidate: the config's proposal). The pilot's candidates and the run on test after it
+    share their stages whatever the config's own settings are by then (task_pilot.py)."""
+    cands = cfg.get("pilot", {}).get("candidates", [])
+    for c in cands[1:]:
+        if all(settings.get(k) == v for k, v in c.items()):
+            own = sorted((k, v) for k, v in c.items() if cands[0][k] != v)
+            return name + "-" + "-".join(f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}" for k, v in own)
+    return name
 
 
 def stage_dir(run, name):

@@ -75,6 +75,12 @@ class Progress:
               flush=True)
 
 
+def train_settings(full, cfg):
+    """train.py's settings of a run: the config file's (full: the whole file), then the run's overrides."""
+    own = {k: v for k, v in full.items() if not k.startswith("_")}
+    return {**own, **cfg.get("train_overrides", {})}
+
+
 class Run:
     """One configuration's run directory and its stages.json (key and elapsed time per stage)."""
 
@@ -88,9 +94,7 @@ class Run:
         self.manifest = json.load(open(self.manifest_path)) if os.path.isfile(self.manifest_path) else {}
 
     def train_settings(self):
-        """train.py's settings of this run: the config file's, then the run's overrides."""
-        own = {k: v for k, v in self.full.items() if not k.startswith("_")}
-        return {**own, **self.cfg.get("train_overrides", {})}
+        return train_settings(self.full, self.cfg)
 
     def path(self, *p):
         return os.path.join(self.dir, *p)

@@ -74,7 +74,9 @@ def pieces(cfg):
 
 
 def piece_path(run, name):
-    return run.path("eval", f"{name}.json")
+    """eval/NAME.json; a pilot's pieces (its "eval_split" not test) under eval_SPLIT/, beside them."""
+    split = run.cfg.get("eval_split", "test")
+    return run.path("eval" if split == "test" else f"eval_{split}", f"{name}.json")
 
 
 def load_piece(run, name):
@@ -190,12 +192,14 @@ KINDS = {"decode": decode_piece, "exact": exact_piece, "ceiling": ceiling_piece,
 
 
 def evaluate(run, dirs, keys):
-    """Every piece not yet saved with its key (keys: piece -> key), model by model (dirs: model ->
+    """Every piece of `keys` (piece -> key) not yet saved with its key, model by model (dirs: model ->
     weights directory); each piece written as it finishes."""
-    os.makedirs(run.path("eval"), exist_ok=True)
     problems, tok, loaded = eval_problems(run), Tokenizer.from_dir(BASE_DIR), {}
     for name, model, kind, arg in pieces(run.cfg):
+        if name not in keys:
+            continue
         path = piece_path(run, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.isfile(path) and json.load(open(path)).get("key") == keys[name]:
             print(f"[evaluate] {name} done before, skipped", flush=True)
             continue
