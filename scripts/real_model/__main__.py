@@ -127,8 +127,9 @@ def run_protocol(a, name, path, full, cfg):
     if a.export_rows:
         raise SystemExit("--export-rows belongs to round 3's configs, not the task protocol")
     cfg = protocol.smoke_config(cfg) if a.smoke else cfg
-    protocol.check_pilot(cfg, path, train_settings(full, cfg))
-    run_name = protocol.run_name(name, cfg, train_settings(full, cfg))  # the pilot's candidate it is, if any
+    settings = train_settings(full, cfg)
+    protocol.check_pilot(cfg, path, settings)
+    run_name = protocol.run_name(name, cfg, settings)  # the pilot's candidate it is, if any
     if a.report:
         return task_page.rewrite(results_dir(run_name, cfg, a.smoke))
     if a.pilot:

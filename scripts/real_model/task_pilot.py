@@ -15,7 +15,7 @@ here: it would cost a stage 2 per candidate, and the rule does not read it.
 
 The rule, fixed before the pilot ran, is RULE (`choose`). The choice is written to
 results_dir/pilot.json with every candidate's numbers, and PILOT.md from it; the config's top-level
-settings are then set to it by hand (tests/test_real_model.py checks that the committed config
+settings are then set to it by hand (tests/test_task_protocol.py checks that the committed config
 runs what the committed pilot chose).
 
 Stage 2's steps are not a candidate here: stage 2 and the arm must train on the same rows equally
@@ -33,6 +33,7 @@ from scripts.real_model import protocol
 from scripts.real_model.run import Run, digest, train_settings
 from scripts.real_model.stages import stage_convert
 from scripts.real_model.task_eval import decode_name, decode_summary, evaluate, load_piece, piece_path
+from scripts.real_model.task_page import pct, points, tpf
 from util.atomic import write_json, write_text
 
 RULE = ("among the candidates whose tokens per forward at the pilot's tau reach min_tokens_per_forward "
@@ -101,11 +102,6 @@ def run_pilot(name, path, full, cfg, smoke, results):
     return out
 
 
-def points(x, lo_hi, sign=""):
-    """A share in percent with its interval: 21.0 [15.5, 27.0] (sign "+": +0.5 [-3.0, +4.0])."""
-    return f"{100 * x:{sign}.1f} [{100 * lo_hi[0]:{sign}.1f}, {100 * lo_hi[1]:{sign}.1f}]"
-
-
 def pilot_page(res):
     """PILOT.md from pilot.json alone: the rule, each candidate's validation numbers, the choice."""
     t = f"{res['tau']:g}"
@@ -115,14 +111,14 @@ def pilot_page(res):
              f"tau = 1 and tau = {t}, for each candidate's settings (both stages). Written by "
              f"scripts/real_model/task_pilot.py from pilot.json. {res['machine']}.", "",
              f"Rule (fixed before the pilot ran): {res['rule']}.", "",
-             f"| candidate | accuracy % tau = 1 | accuracy % tau = {t} | change vs tau = 1, points | "
+             f"| candidate | accuracy tau = 1 | accuracy tau = {t} | change vs tau = 1, points | "
              f"tokens/forward tau = {t} | chosen |", "|---|---|---|---|---|---|"]
     for i, c in enumerate(res["candidates"]):
         a, b = c["val"]["1"], c["val"][t]
-        lines.append(f"| `{json.dumps(c['settings'])}` | {points(a['accuracy'], a['ci95'])} | "
-                     f"{points(b['accuracy'], b['ci95'])} | "
-                     f"{points(b['vs_tau1']['change'], b['vs_tau1']['ci95'], '+')} | "
-                     f"{b['tokens_per_forward']:.3f} | {'**yes**' if i == res['chosen'] else ''} |")
+        chosen = "**yes**" if i == res["chosen"] else ""
+        lines.append(f"| `{json.dumps(c['settings'])}` | {pct(a['accuracy'], a['ci95'])} | "
+                     f"{pct(b['accuracy'], b['ci95'])} | {points(b['vs_tau1'])} | "
+                     f"{tpf(b['tokens_per_forward'], b['tpf_ci95'])} | {chosen} |")
     lines += ["", f"Chosen: `{json.dumps(res['chosen_settings'])}`; configs/smollm2-task.json runs it on "
               "test.", ""]
     return "\n".join(lines)
