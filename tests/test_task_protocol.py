@@ -4,7 +4,9 @@ whose counts a re-decode gives back; the page comes back from results.json alone
 the evaluation is made again and only it; its numbers are counts of the rows and its targets
 turn at their bounds. Its pilot (--pilot): the proposal's candidate reuses the run's stages, another
 trains its own; the numbers are counts of validation replies and the choice is the rule written out;
-each candidate has its own run dir; the committed config runs what the committed pilot chose."""
+each candidate has its own run dir; the committed config runs what the committed pilot chose.
+The committed task pages (the run, and the proposal's before the pilot) are their replies re-graded
+and counted, and record the committed config's settings."""
 
 import json
 import os
@@ -337,3 +339,32 @@ def test_task_config_runs_what_the_committed_pilot_chose():
     best = rule_choice(res["candidates"], res["tau"], res["min_tokens_per_forward"])
     assert res["chosen_settings"] == best["settings"]
     assert all(cfg[k] == v for k, v in best["settings"].items())
+
+
+@pytest.mark.parametrize("sub", ["", "proposal"])
+def test_the_committed_task_pages_are_their_replies_counted(sub):
+    """The committed task run's pages (results/real_model/task/: the run of the committed config;
+    proposal/: the run before the pilot, of its first candidate): RESULTS.md is task_page's page of
+    results.json alone; every reply's verdict is the family's grader on its text; results.json's
+    accuracies and tokens per forward are counts of replies.jsonl; the settings it records are the
+    committed config's (proposal/: the config with the pilot's first candidate)."""
+    from data.tasks.grade import is_correct
+    from scripts.real_model.run import load_config, train_settings
+    from scripts.real_model.task_page import page
+
+    path, full, cfg = load_config(os.path.join(REPO, "configs", "smollm2-task.json"), False)
+    d = os.path.join(REPO, cfg["results_dir"], sub)
+    res = json.load(open(os.path.join(d, "results.json")))
+    assert open(os.path.join(d, "RESULTS.md")).read() == page(res)
+    rows = read_jsonl(os.path.join(d, "replies.jsonl"))
+    assert all(r["correct"] == is_correct(r, r["reply"]) for r in rows)
+    assert len(res["decode"]) == len({(r["model"], r["tau"]) for r in rows})
+    for dec in res["decode"].values():
+        mine = [r for r in rows if (r["model"], r["tau"]) == (dec["model"], dec["tau"])]
+        assert len(mine) == cfg["n_eval"]
+        assert dec["accuracy"] == sum(r["correct"] for r in mine) / len(mine)
+        assert dec["tokens_per_forward"] == sum(r["tokens"] for r in mine) / sum(r["forwards"] for r in mine)
+    want = train_settings(full, cfg)
+    if sub == "proposal":
+        want = {**want, **cfg["pilot"]["candidates"][0]}
+    assert res["train_settings"] == want
