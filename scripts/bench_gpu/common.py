@@ -36,12 +36,13 @@ class Run:
 
 GPU_RUN = Run(device="cuda", model="random Qwen2.5-0.5B shape", shape={}, batch_sizes=[1, 4, 16],
               new_tokens=64, out="results/GPU", row_tokens=512, timed_steps=3, main_flags=[], toy_tokens=96)
-# The dry run checks the code paths, cheaply: a vocabulary of 1,024 (Qwen's 151,936 made its bf16
-# head most of its time where bf16 is emulated), and the row tile of a CPU with bf16 units on every
-# CPU (one without has a tile of 1: a step's rows never padded, as a GPU's tile of 128 pads them,
-# and its graphs a call per row)
+# The dry run checks the code paths, cheaply: one layer (the layers' code is the core's, proven with
+# several in tests/; a second layer cost the suite's dry run 10 s of its 41, most of it dynamo's
+# tracing), a vocabulary of 1,024 (Qwen's 151,936 made its bf16 head most of its time where bf16 is
+# emulated), and the row tile of a CPU with bf16 units on every CPU (one without has a tile of 1: a
+# step's rows never padded, as a GPU's tile of 128 pads them, and its graphs a call per row)
 DRY_RUN = Run(device="cpu", model="tiny random model (dry run)",
-              shape=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              shape=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2),
               batch_sizes=[1, 2], new_tokens=8, out="out/bench_gpu_dry_run", row_tokens=32, timed_steps=1,
               main_flags=["--ar_steps=2", "--mars_steps=2", "--eval_rows=8", "--eval_at_end=False"],
