@@ -94,7 +94,7 @@ def test_train_py_compile_true_runs_the_mars_stage_with_inductor(data_dir, tmp_p
     of 16 (the buckets: the tests above). The AR stage (--ar_steps=0 here) is the MARS stage's
     clean stream alone: its static step compiles whole in the test below and in
     test_train_py_static_step_with_a_teacher_logs_the_references_losses (dynamo); its inductor
-    compile, 13 s of this test's 54 on the Intel Xeon, is left out to keep the suite in 5 minutes."""
+    compile, 14 s of this test's 57 alone on the Intel Xeon, is left out to keep the suite short."""
     import subprocess
     import sys
 

@@ -90,6 +90,13 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
+def counted(rows):
+    """(accuracy, tokens per forward) of reply rows, counted: the share graded correct, and all their
+    tokens over all their forwards."""
+    return (sum(r["correct"] for r in rows) / len(rows),
+            sum(r["tokens"] for r in rows) / sum(r["forwards"] for r in rows))
+
+
 def test_task_replies_regrade_and_redecode(task_smoke):
     """The smoke's replies.jsonl: one row per test problem, model and τ, with the issue's keys; each
     row's `correct` is the grader's verdict on its own reply and answer (and reply_row grades a right
@@ -126,8 +133,7 @@ def test_task_replies_regrade_and_redecode(task_smoke):
     assert not reply_row(tok, p, "mars", 1.0, Generation(right[:-4], 9))["correct"]  # cut mid-answer
     for d in res["decode"].values():
         mine = [r for r in rows if (r["model"], r["tau"]) == (d["model"], d["tau"])]
-        assert d["accuracy"] == sum(r["correct"] for r in mine) / len(mine)
-        assert d["tokens_per_forward"] == sum(r["tokens"] for r in mine) / sum(r["forwards"] for r in mine)
+        assert (d["accuracy"], d["tokens_per_forward"]) == counted(mine)
     multi = max((r for r in rows if r["tau"] < 1), key=lambda r: r["tokens"] - r["forwards"])
     assert multi["forwards"] < multi["tokens"]  # steps that kept several tokens
     model = load_checkpoint(str(run_dir / "mars" / "mars"), "cpu", torch.float64).model
@@ -231,7 +237,6 @@ def test_task_targets_are_reached_exactly_at_their_bounds():
     assert at == ["yes"] * 5 and past == ["no"] * 5
 
 
-
 STAGE_RELEASES = (("sft", "ar"), ("mars", "mars"))
 
 
@@ -282,9 +287,7 @@ def test_task_pilot_chooses_on_validation_by_its_rule(task_smoke, monkeypatch, c
             rows = json.load(open(d / "eval_val" / f"decode_mars_tau{t:g}.json"))["result"]["rows"]
             assert [r["problem"] for r in rows] == val
             v = c["val"][f"{t:g}"]
-            assert v["accuracy"] == sum(r["correct"] for r in rows) / len(rows)
-            tokens, forwards = sum(r["tokens"] for r in rows), sum(r["forwards"] for r in rows)
-            assert v["tokens_per_forward"] == tokens / forwards
+            assert (v["accuracy"], v["tokens_per_forward"]) == counted(rows)
     best = rule_choice(cands, tau, 1.5)
     assert res["chosen"] == cands.index(best) and res["chosen_settings"] == best["settings"]
     assert "**yes**" in (main_run / "results" / "PILOT.md").read_text()
@@ -362,8 +365,7 @@ def test_the_committed_task_pages_are_their_replies_counted(sub):
     for dec in res["decode"].values():
         mine = [r for r in rows if (r["model"], r["tau"]) == (dec["model"], dec["tau"])]
         assert len(mine) == cfg["n_eval"]
-        assert dec["accuracy"] == sum(r["correct"] for r in mine) / len(mine)
-        assert dec["tokens_per_forward"] == sum(r["tokens"] for r in mine) / sum(r["forwards"] for r in mine)
+        assert (dec["accuracy"], dec["tokens_per_forward"]) == counted(mine)
     want = train_settings(full, cfg)
     if sub == "proposal":
         want = {**want, **cfg["pilot"]["candidates"][0]}

@@ -132,15 +132,13 @@ def run_protocol(a, name, path, full, cfg):
     run_name = protocol.run_name(name, cfg, settings)  # the pilot's candidate it is, if any
     if a.report:
         return task_page.rewrite(results_dir(run_name, cfg, a.smoke))
-    if a.pilot:
-        if "pilot" not in cfg:
-            raise SystemExit(f"{path}: no \"pilot\" in its \"_real_model\" (the candidates --pilot tries)")
-        torch.set_num_threads(cfg["threads"])
-        torch.manual_seed(cfg["seed"])
-        return task_pilot.run_pilot(name, path, full, cfg, a.smoke, results_dir(run_name, cfg, a.smoke))
-    run = Run(run_name, cfg, path, full, a.smoke)
+    if a.pilot and "pilot" not in cfg:
+        raise SystemExit(f"{path}: no \"pilot\" in its \"_real_model\" (the candidates --pilot tries)")
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
+    if a.pilot:
+        return task_pilot.run_pilot(name, path, full, cfg, a.smoke, results_dir(run_name, cfg, a.smoke))
+    run = Run(run_name, cfg, path, full, a.smoke)
     print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, the task protocol, run dir {run.dir}; "
           f"{protocol.predict(cfg, run.train_settings())}", flush=True)
     for stage in PROTOCOL_ORDER:
