@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from scripts import bench_gpu
+from scripts.bench_gpu.__main__ import main as bench_gpu_main
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: it counts graphs
 
@@ -22,7 +22,7 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
     # conftest.py's eager_compile: the graphs and recompile counts are dynamo's, the inductor
     # compile of each shape, tested in test_compile.py, is not paid again here
     out = tmp_path / "gpu"
-    rc = bench_gpu.main(["--dry-run", "--out", str(out), "--batch-sizes", "1,2", "--new-tokens", "4",
+    rc = bench_gpu_main(["--dry-run", "--out", str(out), "--batch-sizes", "1,2", "--new-tokens", "4",
                          "--sections", "decode,main,toy"])  # train: tests/test_bench_gpu_train.py
     assert rc == 0
     res = json.loads((tmp_path / "gpu.json").read_text())
@@ -73,10 +73,10 @@ def test_a_dry_run_runs_every_section_and_its_checks_hold(tmp_path, eager_compil
 
 def test_without_cuda_it_says_so_and_exits_0(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_gpu.main([]) == 0
+    assert bench_gpu_main([]) == 0
     assert "no CUDA device here" in capsys.readouterr().out
 
 
 def test_an_unknown_section_is_named(capsys):
-    assert bench_gpu.main(["--dry-run", "--sections", "decode,trian"]) == 2
+    assert bench_gpu_main(["--dry-run", "--sections", "decode,trian"]) == 2
     assert "trian" in capsys.readouterr().out

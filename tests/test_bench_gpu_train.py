@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from scripts import bench_gpu
+from scripts.bench_gpu.__main__ import main as bench_gpu_main
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py: it counts graphs
 
 
 def test_a_dry_run_of_the_train_section(tmp_path, eager_compile):
-    assert bench_gpu.main(["--dry-run", "--out", str(tmp_path / "gpu"), "--sections", "train"]) == 0
+    assert bench_gpu_main(["--dry-run", "--out", str(tmp_path / "gpu"), "--sections", "train"]) == 0
     res = json.loads((tmp_path / "gpu.json").read_text())
     assert "errors" not in res and res["skipped"] == [], (res.get("errors"), res["skipped"])
     assert [(r["loss"], r["compiled"]) for r in res["train"]["rows"]] == [  # the static step first

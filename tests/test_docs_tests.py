@@ -157,3 +157,13 @@ def test_every_section_the_code_and_docs_cite_is_in_the_spec():
     assert not bad, sorted(set(bad))
     assert cited_sections("§5.2-3 §3-§4 §8 §2–3") == [(5, 2), (5, 3), (3, None), (4, None), (8, None),
                                                        (2, None), (3, None)]
+
+
+def test_results_readme_names_every_page():
+    """results/README.md, the index of every results page, links each Markdown page under results/
+    (a page written and never indexed is a result no reader finds; the proposal's DISCUSSION.md was)."""
+    results = TESTS.parent / "results"
+    index = (results / "README.md").read_text()
+    linked = {(results / m).resolve() for m in re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", index)}
+    pages = {p.resolve() for p in results.rglob("*.md") if p.name != "README.md"}
+    assert not pages - linked, sorted(str(p.relative_to(results)) for p in pages - linked)

@@ -192,6 +192,103 @@ def test_task_evaluation_resumes_skipping_finished_pieces(task_smoke, monkeypatc
     assert len(skipped) == len(kept) - 1  # every piece but the lost one (ceiling_r3.json is a stage's)
 
 
+@pytest.fixture(scope="module")
+def speed_smoke(task_smoke):
+    """`python -m scripts.real_model --config task --smoke --speed` (issue 62) in the smoke's root, after
+    its stages: every decoder on the reference, the engine (eager in the smoke), its loops and HF, timed
+    -> (the run dir, speed.json)."""
+    from scripts.real_model.__main__ import main
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(task_smoke)
+        main(["--config", "task", "--smoke", "--speed"])
+    run_dir = task_smoke / TASK_RUN
+    return run_dir, json.load(open(run_dir / "results" / "speed.json"))
+
+
+def test_speed_run_records_every_decoder_and_compares_replies(speed_smoke):
+    """Every decoder of every path at every batch size has a record with the issue's fields; HF's prompt
+    lookup at batch 1 only (HF takes one row); the replies each record's counts come from are the saved
+    piece's: identical_to_ar is the share of replies equal to its own path's AR, recounted here; exact
+    mode gives AR's replies on every path, and (float64) every engine decoder gives the reference's
+    replies, in the clock's run and in the untimed check."""
+    from scripts.real_model.task_speed import SMOKE, decoder_names
+
+    run_dir, res = speed_smoke
+    names = decoder_names(SMOKE)
+    want = {(d, p, b) for b in SMOKE["batches"] for p in ("reference", "engine") for d in names}
+    want |= {(d, "engine loop", b) for b in SMOKE["batches"] for d in names if not d.endswith("block")}
+    want |= {("ar", "hf", b) for b in SMOKE["batches"]} | {("prompt lookup", "hf", 1)}
+    got = {(r["decoder"], r["path"], r["batch"]): r for r in res["records"]}
+    assert set(got) == want and len(res["records"]) == len(want)
+    assert "machine" in res and res["machine"].startswith("machine: cpu")
+    for r in res["records"]:
+        for k in ("ms_per_reply", "tokens_per_s", "tokens_per_forward", "speed_vs_engine_ar",
+                  "identical_to_ar"):
+            assert isinstance(r[k], float) and r[k] >= 0, (k, r)
+    for b in SMOKE["batches"]:
+        piece = json.load(open(run_dir / "speed" / f"batch_{b}.json"))["piece"]
+        replies = {(r["path"], r["decoder"]): r["replies"] for r in piece["records"]}
+        forwards = {(r["path"], r["decoder"]): r["forwards"] for r in piece["records"]}
+        assert all(len(v) == SMOKE["n"] for v in replies.values())
+        for (path, d), ids in replies.items():
+            same = sum(a == c for a, c in zip(ids, replies[(path, "ar")])) / len(ids)
+            assert got[(d, path, b)]["identical_to_ar"] == same
+            assert got[(d, path, b)]["tokens_per_forward"] == sum(map(len, ids)) / sum(forwards[(path, d)])
+            if d.startswith("exact"):
+                assert same == 1.0, (path, d, b)
+            if path in ("engine", "engine loop"):
+                assert ids == replies[("reference", d)], (path, d, b)
+    assert all(v == 1.0 for path in res["equal_fp32"].values() for v in path.values())
+    assert set(res["equal_fp32"]["engine"]) == set(names) and "exact K=2" in res["equal_fp32"]["engine loop"]
+
+
+def test_speed_ratios_are_the_recorded_times_and_rounds_alternate(speed_smoke):
+    """Each record's numbers recomputed by brute force from the times it recorded (rounds x items):
+    ms per reply from the median round, speed against the engine's faster AR and HF's AR the median of
+    the per-round paired ratios; every round runs every (decoder, path) on every item once, and the
+    recorded order is rotated by one decoder each round."""
+    run_dir, res = speed_smoke
+    for b, times in res["times"].items():
+        rounds = {k: [sum(r) for r in v] for k, v in times.items()}
+        def med(xs):  # the median, written out
+            xs, h = sorted(xs), len(xs) // 2
+            return xs[h] if len(xs) % 2 else (xs[h - 1] + xs[h]) / 2
+        base = min(("engine | ar", "engine loop | ar"), key=lambda k: med(rounds[k]))
+        assert res["engine_ar_path"][b] == {"engine": base.split(" | ")[0], "hf": "ar"}
+        for r in (x for x in res["records"] if str(x["batch"]) == b):
+            k = f"{r['path']} | {r['decoder']}"
+            assert r["ms_per_reply"] == pytest.approx(1000 * med(rounds[k]) / r["n"], rel=1e-12)
+            ratios = [a / d for a, d in zip(rounds[base], rounds[k])]
+            assert r["speed_vs_engine_ar"] == pytest.approx(med(ratios), rel=1e-12)
+            hf = [a / d for a, d in zip(rounds["hf | ar"], rounds[k])]
+            assert r["speed_vs_hf"] == pytest.approx(med(hf), rel=1e-12)
+            lo, hi = r["speed_vs_engine_ar_ci95"]
+            assert lo <= hi
+        order = res["order"][b]
+        names = list(dict.fromkeys(n for _, _, n in order))
+        n_items = len(res["times"][b]["engine | ar"][0])
+        R = len(res["times"][b]["engine | ar"])
+        assert len(order) == R * n_items * len(names)
+        for r in range(R):
+            calls = [(i, n) for rr, i, n in order if rr == r]
+            assert sorted(calls) == sorted((i, n) for i in range(n_items) for n in names)
+            first_item = [n for i, n in calls if i == 0]
+            assert first_item == names[r % len(names):] + names[:r % len(names)]
+
+
+def test_speed_page_regenerates_from_speed_json_alone(speed_smoke, tmp_path):
+    """SPEED.md comes back byte for byte from speed.json alone (task_speed.rewrite, as --speed --report)."""
+    from scripts.real_model.task_speed import rewrite
+
+    run_dir, _ = speed_smoke
+    page = (run_dir / "results" / "SPEED.md").read_text()
+    assert "## Batch 1" in page and "| exact K=2 | engine loop |" in page
+    shutil.copy(run_dir / "results" / "speed.json", tmp_path / "speed.json")
+    rewrite(str(tmp_path))
+    assert (tmp_path / "SPEED.md").read_text() == page and (tmp_path / "speed.png").stat().st_size > 0
+
+
 def test_task_numbers_are_counts_of_the_rows():
     """decode_summary's accuracy (all, per family), tokens per forward, EOS share and identical share,
     and paired_change (paired by problem, whatever the order), equal plain counts of hand-made rows,

@@ -12,6 +12,8 @@
     python -m scripts.real_model --config task --report             # its page again from its results.json
     python -m scripts.real_model --config task --pilot              # lr, stage 1 steps chosen on val first
                                                                     # (task_pilot.py)
+    python -m scripts.real_model --config task --speed              # stage 2's model timed as a user runs
+                                                                    # it (task_speed.py; --report: the page)
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
@@ -57,7 +59,7 @@ import os
 
 import torch
 
-from scripts.real_model import protocol, task_page, task_pilot
+from scripts.real_model import protocol, task_page, task_pilot, task_speed
 from scripts.real_model.committed import export_rows
 from scripts.real_model.page import rewrite
 from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir, train_settings
@@ -94,13 +96,17 @@ def main(argv=None):
     ap.add_argument("--pilot", action="store_true", help="the task protocol's pilot: each candidate of the "
                     "config's \"pilot\" trained and evaluated on validation, the rule's choice -> pilot.json "
                     "(task_pilot.py), and stop")
+    ap.add_argument("--speed", action="store_true", help="the task protocol's speed run: the stages up to "
+                    "stage 2 (mars), then every decoder on the reference, the engine and HF, timed "
+                    "(task_speed.py) -> speed.json, SPEED.md; with --report only the page, from speed.json")
     a = ap.parse_args(argv)
     path, full, cfg = load_config(a.config, a.smoke)
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
     if protocol.is_protocol(cfg):
         return run_protocol(a, name, path, full, cfg)
-    if a.pilot:
-        raise SystemExit("--pilot belongs to the task protocol (--config task), not round 3's configs")
+    if a.pilot or a.speed:
+        raise SystemExit(f"--{'pilot' if a.pilot else 'speed'} belongs to the task protocol (--config task), "
+                         "not round 3's configs")
     if a.report:
         return rewrite(results_dir(name, cfg, a.smoke))
     if "n_test" not in full["_real_model"]:
@@ -130,7 +136,11 @@ def run_protocol(a, name, path, full, cfg):
     settings = train_settings(full, cfg)
     protocol.check_pilot(cfg, path, settings)
     run_name = protocol.run_name(name, cfg, settings)  # the pilot's candidate it is, if any
+    if a.speed and "speed" not in cfg:
+        raise SystemExit(f"{path}: no \"speed\" in its \"_real_model\" (the settings --speed runs)")
     if a.report:
+        if a.speed:
+            return task_speed.rewrite(results_dir(run_name, cfg, a.smoke))
         return task_page.rewrite(results_dir(run_name, cfg, a.smoke))
     if a.pilot and "pilot" not in cfg:
         raise SystemExit(f"{path}: no \"pilot\" in its \"_real_model\" (the candidates --pilot tries)")
@@ -143,8 +153,10 @@ def run_protocol(a, name, path, full, cfg):
           f"{protocol.predict(cfg, run.train_settings())}", flush=True)
     for stage in PROTOCOL_ORDER:
         stage(run)
-        if a.until and stage.__name__ == f"stage_{a.until}":
+        if a.until and stage.__name__ == f"stage_{a.until}" or a.speed and stage is protocol.stage_mars:
             break
+    if a.speed:
+        task_speed.stage_speed(run, protocol.stage_dir(run, "mars"))
 
 
 if __name__ == "__main__":
