@@ -243,26 +243,31 @@ def test_speed_run_records_every_decoder_and_compares_replies(speed_smoke):
     assert set(res["equal_fp32"]["engine"]) == set(names) and "exact K=2" in res["equal_fp32"]["engine loop"]
 
 
-def test_speed_ratios_are_the_recorded_times_and_rounds_alternate(speed_smoke):
-    """Each record's numbers recomputed by brute force from the times it recorded (rounds x items):
-    ms per reply from the median round, speed against the engine's faster AR and HF's AR the median of
-    the per-round paired ratios; every round runs every (decoder, path) on every item once, and the
-    recorded order is rotated by one decoder each round."""
-    run_dir, res = speed_smoke
+def median(xs):
+    """The median, written out."""
+    xs, h = sorted(xs), len(xs) // 2
+    return xs[h] if len(xs) % 2 else (xs[h - 1] + xs[h]) / 2
+
+
+def check_speed_json(res):
+    """speed.json's numbers recomputed by brute force from the times it recorded (rounds x items):
+    ms per reply from the median round, speed against the engine's faster AR and HF's faster AR the
+    median of the per-round paired ratios; every round runs every (decoder, path) on every item once,
+    and the recorded order is rotated by one decoder each round."""
     for b, times in res["times"].items():
         rounds = {k: [sum(r) for r in v] for k, v in times.items()}
-        def med(xs):  # the median, written out
-            xs, h = sorted(xs), len(xs) // 2
-            return xs[h] if len(xs) % 2 else (xs[h - 1] + xs[h]) / 2
-        base = min(("engine | ar", "engine loop | ar"), key=lambda k: med(rounds[k]))
-        assert res["engine_ar_path"][b] == {"engine": base.split(" | ")[0], "hf": "ar"}
+        base = min((k for k in ("engine | ar", "engine loop | ar") if k in rounds),
+                   key=lambda k: median(rounds[k]))
+        hf_base = min((k for k in ("hf | ar", "hf | ar static") if k in rounds),
+                      key=lambda k: median(rounds[k]))
+        assert res["engine_ar_path"][b] == {"engine": base.split(" | ")[0], "hf": hf_base.split(" | ")[1]}
         for r in (x for x in res["records"] if str(x["batch"]) == b):
             k = f"{r['path']} | {r['decoder']}"
-            assert r["ms_per_reply"] == pytest.approx(1000 * med(rounds[k]) / r["n"], rel=1e-12)
+            assert r["ms_per_reply"] == pytest.approx(1000 * median(rounds[k]) / r["n"], rel=1e-12)
             ratios = [a / d for a, d in zip(rounds[base], rounds[k])]
-            assert r["speed_vs_engine_ar"] == pytest.approx(med(ratios), rel=1e-12)
-            hf = [a / d for a, d in zip(rounds["hf | ar"], rounds[k])]
-            assert r["speed_vs_hf"] == pytest.approx(med(hf), rel=1e-12)
+            assert r["speed_vs_engine_ar"] == pytest.approx(median(ratios), rel=1e-12)
+            hf = [a / d for a, d in zip(rounds[hf_base], rounds[k])]
+            assert r["speed_vs_hf"] == pytest.approx(median(hf), rel=1e-12)
             lo, hi = r["speed_vs_engine_ar_ci95"]
             assert lo <= hi
         order = res["order"][b]
@@ -275,6 +280,27 @@ def test_speed_ratios_are_the_recorded_times_and_rounds_alternate(speed_smoke):
             assert sorted(calls) == sorted((i, n) for i in range(n_items) for n in names)
             first_item = [n for i, n in calls if i == 0]
             assert first_item == names[r % len(names):] + names[:r % len(names)]
+
+
+def test_speed_ratios_are_the_recorded_times_and_rounds_alternate(speed_smoke):
+    """check_speed_json on the smoke's speed.json."""
+    check_speed_json(speed_smoke[1])
+
+
+def test_the_committed_speed_page_is_its_json():
+    """results/real_model/task/SPEED.md (issue 62) is task_speed.speed_page of the committed speed.json,
+    whose numbers are its recorded times (check_speed_json); on the real model exact mode gave its
+    path's AR replies on every timed problem, every path and batch, and the engine's dtype was the one
+    the page names."""
+    from scripts.real_model.task_speed import speed_page
+
+    d = os.path.join(REPO, "results", "real_model", "task")
+    res = json.load(open(os.path.join(d, "speed.json")))
+    assert open(os.path.join(d, "SPEED.md")).read() == speed_page(res)
+    check_speed_json(res)
+    exact = [r for r in res["records"] if r["decoder"].startswith("exact")]
+    assert exact and all(r["identical_to_ar"] == 1.0 for r in exact)
+    assert {r["batch"] for r in res["records"]} == set(res["settings"]["batches"])
 
 
 def test_speed_page_regenerates_from_speed_json_alone(speed_smoke, tmp_path):

@@ -93,12 +93,13 @@ def eval_exact(run):
     return res
 
 
-def time_decoders(fns, items, rounds, device, order_log=None):
+def time_decoders(fns, items, rounds, device, order_log=None, on_item=None):
     """Wall clock of each decoder on each item (a batch of prompts): every decoder warmed up
     first, then `rounds` rounds, each item run by every decoder in turn (the order rotated per
     round, so none is always first). -> {name: {"per_round_s", "median_s", "spread_s",
     "per_item_s" (the median over rounds)}}, and each decoder's outputs of the first round;
-    order_log (a list), where given, gets [round, item, name] of every timed call in turn."""
+    order_log (a list), where given, gets [round, item, name] of every timed call in turn;
+    on_item(round, item), where given, is called after each item's calls (outside the clock)."""
     names, times, outs = list(fns), {n: [[0.0] * len(items) for _ in range(rounds)] for n in fns}, {}
     for n in names:
         fns[n](items[0])  # warm-up
@@ -108,10 +109,12 @@ def time_decoders(fns, items, rounds, device, order_log=None):
             for n in order:
                 t, gens = timed(lambda n=n, item=item: fns[n](item), device)
                 times[n][r][i] = t
-                if order_log is not None:
-                    order_log.append([r, i, n])
                 if r == 0:
                     outs.setdefault(n, []).extend(gens)
+                if order_log is not None:
+                    order_log.append([r, i, n])
+            if on_item is not None:
+                on_item(r, i)
     res = {}
     for n in names:
         per_round = [sum(x) for x in times[n]]

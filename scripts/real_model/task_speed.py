@@ -41,6 +41,7 @@ path and batch; SPEED.md and speed.png are made from speed.json alone (`--speed 
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -209,8 +210,14 @@ def batch_piece(run, fns, problems, tok, bs, s):
     for name in (n for n in names if n.endswith("ar static")):  # a new prompt length can recompile it:
         for item in items:  # all before the clock (its replies do not change)
             names[name](item)
-    order = []
-    t, outs = time_decoders(names, items, s["rounds"], run.cfg["device"], order)
+        print(f"[speed] batch {bs}: {name} warmed up on every item", flush=True)
+    order, t0 = [], time.time()
+
+    def progress(r, i):
+        if i == len(items) - 1 or i % max(1, len(items) // 4) == 0:
+            print(f"[speed] batch {bs}: round {r + 1}/{s['rounds']}, item {i + 1}/{len(items)}, "
+                  f"{(time.time() - t0) / 60:.1f} min", flush=True)
+    t, outs = time_decoders(names, items, s["rounds"], run.cfg["device"], order, progress)
     recs = []
     for name in names:
         path, d = name.split(" | ")
@@ -327,7 +334,8 @@ def speed_page(res):
              f"{s['max_new_tokens']} new tokens, greedy; {s['rounds']} rounds after a warm-up, every "
              "(decoder, path) alternated, the order rotated each round",
              "- speed: the median over rounds of the paired ratio of round times against the engine's "
-             "fastest AR (and HF's AR), 95 % interval over items resampled by template", ""]
+             "fastest AR (and HF's AR), 95 % interval over items resampled by template"]
+    lines += [f"- {n}" for n in res.get("notes", [])] + [""]
     for bs in s["batches"]:
         rows = [r for r in res["records"] if r["batch"] == bs]
         base = res["engine_ar_path"][str(bs)]
