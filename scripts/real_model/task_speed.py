@@ -155,19 +155,29 @@ def hf_decoders(path, dtype, s, tok):
     return out
 
 
+def reference_dtype(run):
+    """The reference's dtype: float32, as `python generate.py` decodes (float64 in the smoke)."""
+    return torch.float64 if run.smoke else torch.float32
+
+
+def reference_decoders(run, model_dir, s, tok):
+    """The reference path's decoders: the plain model of model.py in reference_dtype."""
+    ref = load_checkpoint(model_dir, run.cfg["device"], reference_dtype(run)).model
+    return core_decoders(ref, s, run.train_settings()["block_size"], tok.mask_id, eos_of(tok))
+
+
 def open_paths(run, model_dir, s, tok):
     """path -> {decoder: fn}, and the engine's dtype: the reference (float32, plain), the engine (the
     dtype auto picks; compiled step), the engine's loops (its own copy of the weights), hf."""
     dev, B = run.cfg["device"], run.train_settings()["block_size"]
     eng_dtype = run_dtype(run, s.get("dtype"))
-    ref_dtype = torch.float64 if run.smoke else torch.float32
     import fast
 
-    ref = load_checkpoint(model_dir, dev, ref_dtype).model
     eng = fast.make_fast(load_checkpoint(model_dir, dev, eng_dtype).model, compile=s["compile"])
     loop = fast.make_fast(load_checkpoint(model_dir, dev, eng_dtype).model)
     eos, mask = eos_of(tok), tok.mask_id
-    paths = {"reference": core_decoders(ref, s, B, mask, eos), "engine": core_decoders(eng, s, B, mask, eos),
+    paths = {"reference": reference_decoders(run, model_dir, s, tok),
+             "engine": core_decoders(eng, s, B, mask, eos),
              "engine loop": loop_decoders(loop, s, B, mask, eos, s["compile"]),
              "hf": hf_decoders(model_dir, eng_dtype, s, tok)}
     return paths, eng_dtype
@@ -179,7 +189,7 @@ def fp32_check(run, model_dir, s, tok, problems, ref_fns):
     import fast
 
     dev, B = run.cfg["device"], run.train_settings()["block_size"]
-    ref_dtype = torch.float64 if run.smoke else torch.float32
+    ref_dtype = reference_dtype(run)
     eng = fast.make_fast(load_checkpoint(model_dir, dev, ref_dtype).model)
     eos, mask = eos_of(tok), tok.mask_id
     prompts = [prompt_of(tok, p) for p in problems[:s["n_check"]]]
@@ -233,7 +243,7 @@ def strip_eos(ids, tok):
     return ids[:-1] if ids and ids[-1] in eos_of(tok) else ids
 
 
-def summarise(piece, rounds):
+def summarise(piece):
     """A batch piece's records -> the rows of speed.json (module docstring), computed from the recorded
     times and replies alone."""
     recs, groups = piece["records"], piece["groups"]
@@ -293,9 +303,9 @@ def stage_speed(run, model_dir):
         pieces[bs] = json.load(open(out))
     check_out, check_key = run.path("speed", "check_fp32.json"), piece_key(run, s, model_dir, 0, problems)
     if not (os.path.isfile(check_out) and json.load(open(check_out))["key"] == check_key):
-        paths = paths or open_paths(run, model_dir, s, tok)[0]
-        write_json(check_out, {"key": check_key,
-                               "equal": fp32_check(run, model_dir, s, tok, problems, paths["reference"])})
+        ref_fns = paths["reference"] if paths else reference_decoders(run, model_dir, s, tok)  # not all paths
+        equal = fp32_check(run, model_dir, s, tok, problems, ref_fns)
+        write_json(check_out, {"key": check_key, "equal": equal})
     res = results(run, s, pieces, json.load(open(check_out))["equal"])
     os.makedirs(run.results, exist_ok=True)
     write_json(os.path.join(run.results, "speed.json"), res)
@@ -306,7 +316,7 @@ def stage_speed(run, model_dir):
 def results(run, s, pieces, equal):
     rows, order, base = [], {}, {}
     for bs, p in pieces.items():
-        r, base[str(bs)] = summarise(p["piece"], s["rounds"])
+        r, base[str(bs)] = summarise(p["piece"])
         rows += r
         order[str(bs)] = p["piece"]["order"]
     dtypes = {p["dtype"] for p in pieces.values()}
