@@ -174,20 +174,21 @@ def initial_model(S, tok, special):
 
 @torch.no_grad()
 def val_loss(r):
-    """Mean loss of the stage over the first eval_rows val rows (the same rows every time)."""
+    """(loss, L_mask, L_AR): the stage's mean loss and its two parts over the first eval_rows val rows
+    (the same rows every time); L_mask is NaN in the AR stage. None without val rows."""
     S, world, val = r.S, r.world, r.data["val"]
     n = min(S.eval_rows, len(val["offsets"]) - 1) // world * world
-    acc = torch.zeros(2, dtype=torch.float64, device=r.device)
+    acc = torch.zeros(4, dtype=torch.float64, device=r.device)
     r.net.train(False)
     for part in torch.arange(r.rank * n // world, (r.rank + 1) * n // world).split(S.micro_batch_size):
         batch, _ = step_batch(r, val, part)  # the same on every rank
         with r.amp:
             n_part = torch.tensor(float(len(part)), dtype=torch.float64, device=r.device)
-            acc += torch.stack([r.runner(batch)[0].double() * n_part, n_part])
+            acc += torch.stack([*(x.double() * n_part for x in r.runner(batch)), n_part])
     r.net.train(True)
     if world > 1:
         dist.all_reduce(acc)
-    return (acc[0] / acc[1]).item() if n else None
+    return tuple((acc[:3] / acc[3]).tolist()) if n else None
 
 
 def static_step(S):
@@ -418,8 +419,11 @@ def run_stage(r, stage, start, state):
         if done % S.eval_interval == 0 or done == total:
             v = val_loss(r)
             if v is not None:
-                r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v})
-                r.say(f"{stage:4s} step {done:6d} | val loss {v:.4f}")
+                fin = lambda x: x if math.isfinite(x) else None  # noqa: E731 (no L_mask in AR)
+                r.log({"kind": "val", "stage": stage, "step": done, "val_loss": v[0], "val_l_mask": fin(v[1]),
+                       "val_l_ar": fin(v[2])})
+                r.say(f"{stage:4s} step {done:6d} | val loss {v[0]:.4f} (L_mask {fin(v[1])}, "
+                      f"L_AR {v[2]:.4f})")
             if r.rank == 0:
                 plot_losses(S.out_dir, r.totals)
         if done % S.ckpt_interval == 0 or done == total:

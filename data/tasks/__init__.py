@@ -65,19 +65,19 @@ def make_problem(rng, family, template):
                          {"role": "assistant", "content": "\n".join(steps + [f"The answer is {answer}."])}]}
 
 
-def draw(rng, family, template, n, seen):
-    """n problems of one template whose questions are not in `seen` (which grows); ValueError
-    when the template has too few distinct questions."""
+def draw(rng, make, n, seen, name):
+    """n problems of make(rng) (one template's) whose questions are not in `seen` (which grows);
+    ValueError naming the template when it has too few distinct questions."""
     out = []
     for _ in range(50 * n + 1000):
         if len(out) == n:
             return out
-        p = make_problem(rng, family, template)
+        p = make(rng)
         text = p["messages"][0]["content"]
         if text not in seen:
             seen.add(text)
             out.append(p)
-    raise ValueError(f"{family}/{template.__name__}: fewer than {n} distinct problems")
+    raise ValueError(f"{name}: fewer than {n} distinct problems")
 
 
 def generate(sizes=None, seed=0):
@@ -89,8 +89,9 @@ def generate(sizes=None, seed=0):
         for family, quota in zip(FAMILIES, shares(n, [SHARES[f] for f in FAMILIES])):
             templates, seen = by_template[family][split], set()
             for template, q in zip(templates, shares(quota, [1] * len(templates))):
-                rows += draw(random.Random(f"tasks:{seed}:{split}:{template.__name__}"), family, template, q,
-                             seen)
+                rows += draw(random.Random(f"tasks:{seed}:{split}:{template.__name__}"),
+                             lambda r, f=family, t=template: make_problem(r, f, t), q, seen,
+                             f"{family}/{template.__name__}")
         random.Random(f"tasks:{seed}:{split}:order").shuffle(rows)
         out[split] = [{"id": f"{split}-{i:05d}", **r} for i, r in enumerate(rows)]
     return out

@@ -59,7 +59,7 @@ import os
 
 import torch
 
-from scripts.real_model import protocol, task_page, task_pilot, task_speed
+from scripts.real_model import protocol, task2, task2_page, task_page, task_pilot, task_speed
 from scripts.real_model.committed import export_rows
 from scripts.real_model.page import rewrite
 from scripts.real_model.run import STAGES, Run, load_config, predict, results_dir, train_settings
@@ -86,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--config", default="cpu", help="cpu (= r3), gpu, r3-pilot, or a JSON file like "
                     "configs/smollm2-r3.json")
     ap.add_argument("--smoke", action="store_true", help="a few prompts, 2 steps, a tiny evaluation")
-    ap.add_argument("--until", choices=sorted(set(STAGES + protocol.PROTOCOL_STAGES)),
+    ap.add_argument("--until", choices=sorted(set(STAGES + protocol.PROTOCOL_STAGES + task2.STAGES)),
                     help="stop after this stage")
     ap.add_argument("--export-rows", action="store_true", help="make the replies (stages up to replies), "
                     "then copy them into results/real_model/data/NAME for git, and stop")
@@ -102,6 +102,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     path, full, cfg = load_config(a.config, a.smoke)
     name = os.path.splitext(os.path.basename(path))[0] + ("-smoke" if a.smoke else "")
+    if cfg.get("protocol") == "tasks2":
+        return run_task2(a, name, path, full, cfg)
     if protocol.is_protocol(cfg):
         return run_protocol(a, name, path, full, cfg)
     if a.pilot or a.speed:
@@ -157,6 +159,26 @@ def run_protocol(a, name, path, full, cfg):
             break
     if a.speed:
         task_speed.stage_speed(run, protocol.stage_dir(run, "mars"))
+
+def run_task2(a, name, path, full, cfg):
+    """Issue 61's protocol (task2.py), --smoke shrunk by task2.SMOKE; --report: its page again from its
+    results.json alone."""
+    if a.export_rows or a.pilot or a.speed:
+        raise SystemExit(f"{path}: --export-rows, --pilot and --speed are not this protocol's (task2.py "
+                         "selects on validation itself)")
+    cfg = task2.smoke_config(cfg) if a.smoke else cfg
+    if a.report:
+        return task2_page.rewrite(results_dir(name, cfg, a.smoke))
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(cfg["seed"])
+    run = Run(name, cfg, path, full, a.smoke)
+    print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, issue 61's protocol, run dir {run.dir}; "
+          f"{task2.predict(cfg, run.train_settings())}", flush=True)
+    for stage in (stage_convert, task2.stage_tasks, task2.stage_sft, task2.stage_select, task2.stage_seeds,
+                  task2.stage_check, task2.stage_evaluate, task2.stage_report):
+        stage(run)
+        if a.until and stage.__name__ == f"stage_{a.until}":
+            break
 
 
 if __name__ == "__main__":

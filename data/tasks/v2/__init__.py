@@ -34,7 +34,7 @@ import os
 import random
 
 from data.synthetic import shares
-from data.tasks import INSTRUCTION
+from data.tasks import INSTRUCTION, draw
 from data.tasks.v2 import frames, records, units
 
 MODULES = {"gsm": frames, "convert": units, "extract": records}
@@ -75,21 +75,6 @@ def make_problem(rng, family, frame, chain):
                          {"role": "assistant", "content": "\n".join(steps + [f"The answer is {answer}."])}]}
 
 
-def draw(rng, family, frame, chain, n, seen):
-    """n problems of one template whose questions are not in `seen` (which grows); ValueError
-    when the template has too few distinct questions."""
-    out = []
-    for _ in range(50 * n + 1000):
-        if len(out) == n:
-            return out
-        p = make_problem(rng, family, frame, chain)
-        text = p["messages"][0]["content"]
-        if text not in seen:
-            seen.add(text)
-            out.append(p)
-    raise ValueError(f"{PREFIX[family]}/{frame}/{chain}: fewer than {n} distinct problems")
-
-
 def generate(sizes=None, seed=0):
     """{split: [row, ...]} with sizes[split] rows each (default SIZES), ids "split-00000" in a
     seeded order that interleaves the families."""
@@ -100,7 +85,8 @@ def generate(sizes=None, seed=0):
             templates, seen = by_template[family][split], set()
             for (frame, chain), q in zip(templates, shares(quota, [1] * len(templates))):
                 rng = random.Random(f"tasks2:{seed}:{split}:{family}:{frame}:{chain}")
-                rows += draw(rng, family, frame, chain, q, seen)
+                rows += draw(rng, lambda r, f=family, fr=frame, c=chain: make_problem(r, f, fr, c), q, seen,
+                             f"{PREFIX[family]}/{frame}/{chain}")
         random.Random(f"tasks2:{seed}:{split}:order").shuffle(rows)
         out[split] = [{"id": f"{split}-{i:05d}", **r} for i, r in enumerate(rows)]
     return out
