@@ -20,6 +20,26 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # one thread (see one_thread), from import on; tiny models run fastest so
 
 
+def task_smoke_root(tmp_path_factory, name, rows, config):
+    """A --smoke of `python -m scripts.real_model --config CONFIG` run in a root of its own: the
+    repository seen through links, with an out/ holding a tiny random base in SmolLM2's place, its BPE
+    trained on `rows` (a task set's {split: [row]}) -> the root."""
+    from chat_template import render_chat
+    from data.bpe import train_bpe
+    from scripts.real_model.__main__ import main
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = tmp_path_factory.mktemp(name)
+    for entry in set(os.listdir(repo)) - {"out", ".git"}:
+        os.symlink(os.path.join(repo, entry), root / entry)
+    tok = train_bpe([render_chat(r["messages"]) for split in rows.values() for r in split], 400)
+    make_hf_model(root / "out" / "smollm2", vocab_size=tok.mask_id + 1)  # the base the stages read
+    tok.save(root / "out" / "smollm2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        main(["--config", config, "--smoke"])
+    return root
+
 def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
     """Build a random HF Qwen2ForCausalLM (eager attention, fp32), save it to `path`
     and return it. A larger-than-default init std makes the output distribution peaked,
@@ -230,7 +250,8 @@ def smollm2_dir(tmp_path_factory):
 # busy while the other waited. Only the order of files changes, never a file's own order.
 LONGEST_FIRST = ["test_fast_train.py", "test_compile.py", "test_compile_bf16.py", "test_bf16.py",
                  "test_bench_gpu.py", "test_generate.py", "test_gguf.py", "test_sampling_decoders.py",
-                 "test_task_protocol.py", "test_fast_loop.py", "test_engine.py", "test_device_sampling.py"]
+                 "test_task_protocol.py", "test_task2.py", "test_fast_loop.py", "test_engine.py",
+                 "test_device_sampling.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -11,9 +11,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import task_smoke_root
 
-from data.bpe import train_bpe
 from tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,21 +23,10 @@ RUN = os.path.join("out", "real_model", "smollm2-task2-smoke")
 def smoke(tmp_path_factory):
     """`python -m scripts.real_model --config task2 --smoke` run once for this module, on a tiny random
     base in SmolLM2's place (its BPE trained on task set v2) -> the root it ran in."""
-    from chat_template import render_chat
     from data.tasks.v2 import generate
-    from scripts.real_model.__main__ import main
 
-    root = tmp_path_factory.mktemp("task2_smoke")
-    for name in set(os.listdir(REPO)) - {"out", ".git"}:
-        os.symlink(os.path.join(REPO, name), root / name)
-    small = generate({"train": 40, "val": 8, "test": 8}, seed=0)
-    tok = train_bpe([render_chat(r["messages"]) for rows in small.values() for r in rows], 400)
-    make_hf_model(root / "out" / "smollm2", vocab_size=tok.mask_id + 1)
-    tok.save(root / "out" / "smollm2")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        main(["--config", "task2", "--smoke"])
-    return root
+    rows = generate({"train": 40, "val": 8, "test": 8}, seed=0)
+    return task_smoke_root(tmp_path_factory, "task2_smoke", rows, "task2")
 
 
 def read_jsonl(path):
@@ -119,10 +107,11 @@ def test_replies_regrade_and_engine_is_the_reference(smoke):
     τ = 1, the τ rule and exact mode, is the reference's."""
     from checkpoint import load_checkpoint
     from data.tasks.v2.grade import is_correct
+    from decoding import Generation
     from exact import generate_exact
     from generate import generate
     from scripts.real_model.run import chat_ids, eos_of
-    from scripts.real_model.task2 import SMOKE
+    from scripts.real_model.task2 import SMOKE, reply_row
 
     run = smoke / RUN
     rows = read_jsonl(run / "results" / "replies.jsonl")
@@ -137,10 +126,14 @@ def test_replies_regrade_and_engine_is_the_reference(smoke):
     assert len(rows) == len(want) * SMOKE["n_eval"]
     for r in rows:
         p = problems[r["problem"]]
-        assert (r["template"], r["frame"], r["family"], r["answer"]) == (p["template"], p["frame"], p["family"],
-                                                                        p["answer"])
+        keys = ("template", "frame", "family", "answer")
+        assert [r[k] for k in keys] == [p[k] for k in keys]
         assert r["correct"] == is_correct(p, r["reply"], r["finished"])
         assert r["reply"] == tok.decode(r["ids"][:-1] if r["finished"] else r["ids"])
+    p = problems[rows[0]["problem"]]  # the smoke's replies are all wrong: reply_row on a right one too
+    right = tok.encode(p["messages"][1]["content"]) + [tok.eos_id]
+    assert reply_row(tok, p, "mars", 0, "tau", 1.0, Generation(right, 9))["correct"]
+    assert not reply_row(tok, p, "mars", 0, "tau", 1.0, Generation(right[:-4], 9))["correct"]  # cut mid-answer
     eos, multi = eos_of(tok), 0
     models = {}
     for r in rows:
@@ -196,6 +189,10 @@ def test_page_numbers_recount_from_the_replies(smoke):
         by = {r["problem"]: r for r in rows if (r["model"], r["seed"], r["tau"], r["drafts"]) ==
               (model, seed, tau, drafts)}
         return np.array([float(by[i][key]) for i in ids])
+
+    def replies(model, seed, tau, drafts):
+        return {r["problem"]: r["ids"] for r in rows
+                if (r["model"], r["seed"], r["tau"], r["drafts"]) == (model, seed, tau, drafts)}
     seeds = SMOKE["seeds"]
     a = np.mean([col("ar_sft", s) for s in seeds], 0)
     m = np.mean([col("mars", s) for s in seeds], 0)
@@ -205,16 +202,22 @@ def test_page_numbers_recount_from_the_replies(smoke):
     lo, hi = brute_two_stage(lambda idx: 100 * (m[idx].mean() - a[idx].mean()), groups, DRAWS)
     assert head["mars_minus_ar_sft"]["ci95"] == pytest.approx([lo, hi], abs=1e-9)
     assert head["mars_minus_ar_sft"]["half_width"] == pytest.approx((hi - lo) / 2, abs=1e-9)
-    for r in res["numbers"]["sweep"]:
-        tok, fwd = col("mars", r["seed"], r["tau"], key="tokens"), col("mars", r["seed"], r["tau"], key="forwards")
+    for r in res["numbers"]["sweep"] + res["numbers"]["exact"]:  # a seed's, or the seeds' pooled
+        ss = seeds if r["seed"] == "pooled" else [r["seed"]]
+        tau, drafts = r.get("tau", 1.0), r.get("drafts")
+        tok = sum(col("mars", s, tau, drafts, "tokens") for s in ss)
+        fwd = sum(col("mars", s, tau, drafts, "forwards") for s in ss)
         assert r["tokens_per_forward"]["estimate"] == pytest.approx(tok.sum() / fwd.sum(), abs=1e-12)
-        acc1, acc = col("mars", r["seed"]).mean(), col("mars", r["seed"], r["tau"]).mean()
-        if acc1:
+        acc1 = np.mean([col("mars", s) for s in ss], 0).mean()
+        acc = np.mean([col("mars", s, tau, drafts) for s in ss], 0).mean()
+        assert r["accuracy"]["estimate"] == pytest.approx(100 * acc, abs=1e-12)
+        if drafts is None and acc1:
             assert r["kept"]["estimate"] == pytest.approx(acc / acc1, abs=1e-12)
-    for e in res["numbers"]["exact"]:
-        same = [x == y for x, y in zip(col("mars", e["seed"], 1.0, e["drafts"], "tokens"),
-                                       col("mars", e["seed"], key="tokens"))]
-        assert e["identical_to_tau1"] <= np.mean(same)  # equal replies have equal lengths
+        same = [replies("mars", s, tau, drafts)[i] == replies("mars", s, 1.0, None)[i]
+                for s in ss for i in ids]
+        assert r["identical_to_tau1"] == sum(same) / len(same)
+    assert {(r["seed"], r["tau"]) for r in res["numbers"]["sweep"]} == \
+        {(s, t) for s in seeds + ["pooled"] for t in SMOKE["taus"]}
     met = {t["target"]: t["met"] for t in res["targets"]}
     d = head["mars_minus_ar_sft"]
     assert met["MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points"] == (d["half_width"] <= 3)

@@ -14,9 +14,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import task_smoke_root
 
-from data.bpe import train_bpe
 from data.prepare import load_npz
 from decoding import Generation
 from tokenizer import Tokenizer
@@ -44,21 +43,10 @@ def task_smoke(tmp_path_factory):
     """`python -m scripts.real_model --config task --smoke` (configs/smollm2-task.json, issue 54) run once
     for this module, on a tiny random base in SmolLM2's place (its BPE trained on the task set) -> the
     root it ran in: the repository seen through links, with an out/ of its own."""
-    from chat_template import render_chat
     from data.tasks import generate
-    from scripts.real_model.__main__ import main
 
-    root = tmp_path_factory.mktemp("task_smoke")
-    for name in set(os.listdir(REPO)) - {"out", ".git"}:
-        os.symlink(os.path.join(REPO, name), root / name)
-    small = generate({"train": 40, "val": 8, "test": 8}, seed=0)
-    tok = train_bpe([render_chat(r["messages"]) for rows in small.values() for r in rows], 400)
-    make_hf_model(root / "out" / "smollm2", vocab_size=tok.mask_id + 1)  # the base the stages read
-    tok.save(root / "out" / "smollm2")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        main(["--config", "task", "--smoke"])
-    return root
+    rows = generate({"train": 40, "val": 8, "test": 8}, seed=0)
+    return task_smoke_root(tmp_path_factory, "task_smoke", rows, "task")
 
 
 def test_task_protocol_smoke_keeps_the_protocol(task_smoke):

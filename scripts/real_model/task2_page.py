@@ -26,14 +26,9 @@ DRAWS = 2000
 
 
 def table(run):
-    """{(model, seed, kind, arg): rows by problem id} of every test piece."""
+    """{(model, seed, kind, arg): {problem id: reply row}} of every test piece."""
     return {(m, s, k, a): {r["problem"]: r for r in load_piece(run, "eval", n)["rows"]}
             for n, m, s, k, a in test_pieces(run)}
-
-
-def clustered(values, groups, stat):
-    """paired_bootstrap of stat(index array) over `values` (arrays aligned with groups)."""
-    return paired_bootstrap(lambda idx: stat(*(v[idx] for v in values)), groups, DRAWS)
 
 
 def mean_pct(a):
@@ -53,90 +48,101 @@ def kept(a1, a):
 
 
 def summarise(t, ids, groups, seeds):
-    """results.json's numbers from the table t (table()), on problems `ids` grouped by template."""
-    col = lambda m, s, k, a, f: np.array([f(t[(m, s, k, a)][i]) for i in ids], float)  # noqa: E731
-    ok = lambda r: r["correct"]  # noqa: E731
-    acc = {(m, s): col(m, s, "tau", 1.0, ok) for m in ARMS for s in seeds}
-    pooled = {m: np.mean([acc[(m, s)] for s in seeds], 0) for m in ARMS}
-    out = {"tau1": {}, "sweep": [], "exact": [], "pooled": {}}
-    for s in seeds + ["pooled"]:
-        a, m = (pooled["ar_sft"], pooled["mars"]) if s == "pooled" else (acc[("ar_sft", s)], acc[("mars", s)])
-        out["tau1"][str(s)] = {"ar_sft": clustered([a], groups, mean_pct), "mars": clustered([m], groups, mean_pct),
-                               "mars_minus_ar_sft": clustered([a, m], groups, diff_pct)}
-    sweep_keys = sorted({(s, a) for (m, s, k, a) in t if m == "mars" and k == "tau"}, key=lambda x: (x[0], -x[1]))
-    for s, tau in sweep_keys:
-        a1, a = acc[("mars", s)], col("mars", s, "tau", tau, ok)
-        tok, fwd = col("mars", s, "tau", tau, lambda r: r["tokens"]), col("mars", s, "tau", tau, lambda r: r["forwards"])
-        same = col("mars", s, "tau", tau, lambda r: r["ids"] == t[("mars", s, "tau", 1.0)][r["problem"]]["ids"])
-        out["sweep"].append({"seed": s, "tau": tau, "accuracy": clustered([a], groups, mean_pct),
-                             "tokens_per_forward": clustered([tok, fwd], groups, ratio),
-                             "kept": clustered([a1, a], groups, kept), "change": clustered([a1, a], groups, diff_pct),
-                             "identical_to_tau1": float(same.mean()),
-                             "finished": float(col("mars", s, "tau", tau, lambda r: r["finished"]).mean()),
-                             "paper_kept": PAPER_KEPT.get(f"{tau:g}")})
-    both = [tau for tau in {a for (_, a) in sweep_keys} if all((s, tau) in sweep_keys for s in seeds)]
-    for tau in sorted(both, reverse=True):
-        if tau == 1.0:
-            continue
-        a = np.mean([col("mars", s, "tau", tau, ok) for s in seeds], 0)
-        tok = sum(col("mars", s, "tau", tau, lambda r: r["tokens"]) for s in seeds)
-        fwd = sum(col("mars", s, "tau", tau, lambda r: r["forwards"]) for s in seeds)
-        out["pooled"][f"{tau:g}"] = {"accuracy": clustered([a], groups, mean_pct),
-                                     "tokens_per_forward": clustered([tok, fwd], groups, ratio),
-                                     "kept": clustered([pooled["mars"], a], groups, kept),
-                                     "paper_kept": PAPER_KEPT.get(f"{tau:g}")}
-    for (m, s, k, K) in sorted(x for x in t if x[2] == "exact"):
-        tok, fwd = col(m, s, k, K, lambda r: r["tokens"]), col(m, s, k, K, lambda r: r["forwards"])
-        same = col(m, s, k, K, lambda r: r["ids"] == t[("mars", s, "tau", 1.0)][r["problem"]]["ids"])
-        out["exact"].append({"seed": s, "drafts": K, "tokens_per_forward": clustered([tok, fwd], groups, ratio),
-                             "identical_to_tau1": float(same.mean()), "n": len(ids),
-                             "accuracy": clustered([col(m, s, k, K, ok)], groups, mean_pct)})
-    out["base"] = clustered([col("base", None, "tau", 1.0, ok)], groups, mean_pct)
+    """results.json's numbers from the table t (table()) on the problems `ids`, clustered by `groups`
+    (their templates); "pooled" over seeds: each problem's mean over its seeds' pieces."""
+    def col(key, field="correct"):
+        return np.array([float(t[key][i][field]) for i in ids])
+
+    def boot(values, stat):  # the clustered, paired interval of stat over aligned arrays
+        return paired_bootstrap(lambda idx: stat(*(v[idx] for v in values)), groups, DRAWS)
+
+    def acc(keys):
+        return np.mean([col(k) for k in keys], 0)
+
+    def speed(keys):  # tokens per forward of the pieces together
+        return boot([sum(col(k, "tokens") for k in keys), sum(col(k, "forwards") for k in keys)], ratio)
+
+    def identical(keys):  # the share of replies equal, token for token, to the same seed's τ = 1 reply
+        same = [t[k][i]["ids"] == t[("mars", k[1], "tau", 1.0)][i]["ids"] for k in keys for i in ids]
+        return sum(same) / len(same)
+
+    def runs(have):  # (label, seeds): each seed, then all of them where there are several
+        return [(s, [s]) for s in have] + ([("pooled", have)] if len(have) > 1 else [])
+
+    tau1 = lambda m, ss: [(m, s, "tau", 1.0) for s in ss]  # noqa: E731
+    out = {"tau1": {}, "sweep": [], "exact": []}
+    for label, ss in runs(seeds):
+        a, m = acc(tau1("ar_sft", ss)), acc(tau1("mars", ss))
+        out["tau1"][str(label)] = {"ar_sft": boot([a], mean_pct), "mars": boot([m], mean_pct),
+                                   "mars_minus_ar_sft": boot([a, m], diff_pct)}
+    for kind in ("tau", "exact"):
+        for arg in sorted({k[3] for k in t if k[0] == "mars" and k[2] == kind}, reverse=kind == "tau"):
+            for label, ss in runs([s for s in seeds if ("mars", s, kind, arg) in t]):
+                keys = [("mars", s, kind, arg) for s in ss]
+                a1, a = acc(tau1("mars", ss)), acc(keys)
+                row = {"seed": label, "accuracy": boot([a], mean_pct), "tokens_per_forward": speed(keys),
+                       "identical_to_tau1": identical(keys), "n": len(ids)}
+                if kind == "tau":
+                    row.update(tau=arg, kept=boot([a1, a], kept), change=boot([a1, a], diff_pct),
+                               finished=float(np.mean([col(k, "finished") for k in keys])),
+                               paper_kept=PAPER_KEPT.get(f"{arg:g}"))
+                else:
+                    row.update(drafts=arg)
+                out["sweep" if kind == "tau" else "exact"].append(row)
+    base = col(("base", None, "tau", 1.0))
+    out["base"] = boot([base], mean_pct)
+    pooled = {m: acc(tau1(m, seeds)) for m in ARMS}
     fams = {}
     for i, p in enumerate(ids):
         fams.setdefault(t[("ar_sft", seeds[0], "tau", 1.0)][p]["family"], []).append(i)
-    out["families"] = {f: {"n": len(ix), **{m: float(100 * pooled[m][ix].mean()) for m in ARMS},
-                           "base": float(100 * col("base", None, "tau", 1.0, ok)[ix].mean())}
+    out["families"] = {f: {"n": len(ix), "base": float(100 * base[ix].mean()),
+                           **{m: float(100 * pooled[m][ix].mean()) for m in ARMS}}
                        for f, ix in sorted(fams.items())}
     return out
 
 
+def last_val_l_ar(recs):
+    return next((r["val_l_ar"] for r in reversed(recs) if r["val_l_ar"] is not None), None)
+
+
 def targets(res):
-    """The issue's targets: [(what, reached, met)]."""
-    d = res["numbers"]["tau1"]["pooled"]["mars_minus_ar_sft"]
-    out = [("MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points",
-            f"{d['half_width']:.1f}", d["half_width"] <= 3),
-           ("MARS - AR SFT at tau = 1: point estimate >= -1 point", f"{d['estimate']:+.1f}", d["estimate"] >= -1)]
-    losses = res["val_losses"]
-    end = lambda recs: next((r["val_l_ar"] for r in reversed(recs) if r["val_l_ar"] is not None), None)  # noqa: E731
-    s1 = end(losses["sft"])
-    for name, recs in losses.items():
+    """The issue's targets: [{"target", "reached", "met"}]."""
+    n = res["numbers"]
+    d = n["tau1"]["pooled"]["mars_minus_ar_sft"]
+    out = [("MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points", f"{d['half_width']:.1f}",
+            d["half_width"] <= 3),
+           ("MARS - AR SFT at tau = 1: point estimate >= -1 point", f"{d['estimate']:+.1f}",
+            d["estimate"] >= -1)]
+    s1 = last_val_l_ar(res["val_losses"]["sft"])
+    for name, recs in res["val_losses"].items():
         if name != "sft":
-            out.append((f"{name}: validation L_AR at its end <= stage 1's end ({s1:.4f})", f"{end(recs):.4f}",
-                        end(recs) <= s1))
-    pool = res["numbers"]["pooled"]
+            v = last_val_l_ar(recs)
+            out.append((f"{name}: validation L_AR at its end <= stage 1's end ({s1:.4f})", f"{v:.4f}",
+                        v <= s1))
+    pooled = {f"{r['tau']:g}": r for r in n["sweep"] if r["seed"] == "pooled"}
     for tau, kept_min, tpf_min in (("0.95", 0.95, 1.5), ("0.8", 0.85, None)):
-        if tau in pool:
-            k = pool[tau]["kept"]["estimate"]
-            out.append((f"tau = {tau}: share of tau = 1 accuracy kept >= {100 * kept_min:.0f} % (pooled seeds)",
+        if tau in pooled:
+            k = pooled[tau]["kept"]["estimate"]
+            out.append((f"tau = {tau}: share of tau = 1 accuracy kept >= {100 * kept_min:.0f} % (pooled)",
                         f"{100 * k:.1f} %", k >= kept_min))
             if tpf_min:
-                v = pool[tau]["tokens_per_forward"]["estimate"]
+                v = pooled[tau]["tokens_per_forward"]["estimate"]
                 out.append((f"tau = {tau}: tokens per forward >= {tpf_min}", f"{v:.3f}", v >= tpf_min))
-    for e in res["numbers"]["exact"]:
+    for e in n["exact"]:
         if e["drafts"] == 4:
             v = e["tokens_per_forward"]["estimate"]
-            out.append(("exact K = 4: AR's replies on every problem", f"{100 * e['identical_to_tau1']:.1f} %",
-                        e["identical_to_tau1"] == 1.0))
-            out.append(("exact K = 4: tokens per forward >= 2.3", f"{v:.3f}", v >= 2.3))
+            out.append((f"exact K = 4 (seed {e['seed']}): AR's replies on every problem",
+                        f"{100 * e['identical_to_tau1']:.1f} %", e["identical_to_tau1"] == 1.0))
+            out.append((f"exact K = 4 (seed {e['seed']}): tokens per forward >= 2.3", f"{v:.3f}", v >= 2.3))
     return [{"target": a, "reached": b, "met": bool(c)} for a, b, c in out]
 
 
 def results_of(run):
-    """results.json: the numbers (summarise), the selection, the check, the validation losses, the
-    data's layout, the engine check, the settings and the machine."""
+    """results.json: the numbers (summarise), the targets, the selection, the check, the validation
+    losses, the data's layout, the engine check, the settings and the machines."""
     problems = problems_of(run, "test", run.cfg["n_eval"])
     ids, groups = [p["id"] for p in problems], [p["template"] for p in problems]
+    pieces = [n for n, *_ in test_pieces(run)]
     res = {"config": run.cfg, "train_settings": run.train_settings(),
            "stages": {k: v for k, v in run.manifest.items() if not v.get("unfinished")},
            "protocol": json.load(open(run.path("protocol.json"))),
@@ -146,85 +152,98 @@ def results_of(run):
                     "layout": json.load(open(run.path("data", "templates.json")))},
            "numbers": summarise(table(run), ids, groups, run.cfg["seeds"]),
            "engine_check": load_piece(run, "eval", "engine_check"),
-           "eval_machines": sorted({load_piece(run, "eval", n)["machine"] for n, *_ in test_pieces(run)}),
+           "eval_machines": sorted({load_piece(run, "eval", n)["machine"] for n in pieces}),
            "run": {"command": f"python -m scripts.real_model --config {run.cfg_path}" +
-                   (" --smoke" if run.smoke else ""), "smoke": run.smoke, "machine": machine(run.cfg["device"])}}
+                   (" --smoke" if run.smoke else ""), "smoke": run.smoke,
+                   "machine": machine(run.cfg["device"])}}
     res["targets"] = targets(res)
     return res
 
 
-def ci(b, scale=1.0, fmt="{:.1f}"):
-    """'estimate [lo, hi] ±half' of a paired_bootstrap result."""
-    e, (lo, hi) = b["estimate"] * scale, b["ci95"]
-    f = lambda x: fmt.format(x)  # noqa: E731
-    return f"{f(e)} [{f(lo * scale)}, {f(hi * scale)}] ±{f(b['half_width'] * scale)}"
+def ci(b, scale=1.0, digits=1):
+    """'estimate [lo, hi] ±half' of a paired_bootstrap result, times `scale`."""
+    f = lambda x: f"{x * scale:.{digits}f}"  # noqa: E731
+    return f"{f(b['estimate'])} [{f(b['ci95'][0])}, {f(b['ci95'][1])}] ±{f(b['half_width'])}"
+
+
+def intro(res):
+    c, S, dat = res["config"], res["train_settings"], res["data"]
+    return ["# MARS on SmolLM2-135M-Instruct, task set v2 (issue 61)", "",
+            f"`{res['run']['command']}` (scripts/real_model/task2.py; this page: task2_page.py from "
+            f"results.json). Test: {dat['test_problems']} problems from {dat['test_templates']} templates of "
+            f"{dat['test_frames']} story frames never trained on. Stage 1: AR SFT, {S['ar_steps']} steps x "
+            f"{S['batch_size']} rows at lr {S['lr']:g}; from its weights stage 2 (MARS, the paper's loss, "
+            f"B = {S['block_size']}) and the arm (AR SFT continued), each with its own lr and steps chosen "
+            f"on validation, at seeds {c['seeds']}. Every interval: 95 %, paired, clustered by template "
+            f"({DRAWS} two-stage resamples), ± its half-width.", "",
+            "Decoded on: " + "; ".join(res["eval_machines"]) + ".", ""]
+
+
+def accuracy_tables(n):
+    L = ["## MARS against AR SFT at tau = 1 (accuracy, %)", "",
+         "| seed | AR SFT | MARS | MARS - AR SFT, points |", "|---|---|---|---|"]
+    L += [f"| {s} | {ci(r['ar_sft'])} | {ci(r['mars'])} | {ci(r['mars_minus_ar_sft'])} |"
+          for s, r in n["tau1"].items()]
+    L += ["", f"The base at tau = 1: {ci(n['base'])} %.", "", "By family (pooled seeds, %):", "",
+          "| family | problems | base | AR SFT | MARS |", "|---|---|---|---|---|"]
+    L += [f"| {f} | {v['n']} | {v['base']:.1f} | {v['ar_sft']:.1f} | {v['mars']:.1f} |"
+          for f, v in n["families"].items()]
+    return L + [""]
+
+
+def sweep_table(n):
+    L = ["## The tau rule and exact mode (MARS)", "",
+         "| seed | decoder | accuracy, % | tokens / forward | share of tau = 1 accuracy kept, % | paper 7B "
+         "kept | identical to tau = 1 |", "|---|---|---|---|---|---|---|"]
+    for r in n["sweep"]:
+        paper = f"{100 * r['paper_kept']:.0f} %" if r["paper_kept"] else ""
+        L.append(f"| {r['seed']} | tau = {r['tau']:g} | {ci(r['accuracy'])} | "
+                 f"{ci(r['tokens_per_forward'], digits=3)} | {ci(r['kept'], 100)} | {paper} | "
+                 f"{100 * r['identical_to_tau1']:.1f} % |")
+    for e in n["exact"]:
+        L.append(f"| {e['seed']} | exact K = {e['drafts']} | {ci(e['accuracy'])} | "
+                 f"{ci(e['tokens_per_forward'], digits=3)} | | | {100 * e['identical_to_tau1']:.1f} % |")
+    return L + [""]
+
+
+def selection_table(sel):
+    g = f"{sel['gate']['tau']:g}"
+    L = ["## Selection on validation", "",
+         f"Rule (in the code before any test decode): {sel['rule']}. Gate: tau = {g}, at least "
+         f"{sel['gate']['min_tokens_per_forward']} tokens per forward. {sel['n_val']} validation problems "
+         f"(frames neither trained on nor tested), seed {sel['seed']}.", "",
+         "| arm | candidate | accuracy tau = 1 | tokens / forward at the gate | val loss at the end (L_mask, "
+         "L_AR) | chosen |", "|---|---|---|---|---|---|"]
+    for arm, a in sel["arms"].items():
+        for i, cand in enumerate(a["candidates"]):
+            v, end = cand["val"], cand["val_loss"][-1]
+            gate = f"{v[g]['tokens_per_forward']:.3f}" if g in v else ""
+            mask = "-" if end["val_l_mask"] is None else f"{end['val_l_mask']:.4f}"
+            L.append(f"| {arm} | `{json.dumps(cand['settings'])}` | {100 * v['1']['accuracy']:.1f} % "
+                     f"({v['1']['correct']}/{v['1']['n']}) | {gate} | {end['val_loss']:.4f} ({mask}, "
+                     f"{end['val_l_ar']:.4f}) | {'**yes**' if i == a['chosen'] else ''} |")
+    return L + [""]
 
 
 def write_page(res, d):
     """RESULTS.md from results.json alone."""
-    n, c, S = res["numbers"], res["config"], res["train_settings"]
-    sel, dat = res["selection"], res["data"]
-    L = ["# MARS on SmolLM2-135M-Instruct, task set v2 (issue 61)", "",
-         f"`{res['run']['command']}` (scripts/real_model/task2.py; this page: task2_page.py from results.json). "
-         f"Test: {dat['test_problems']} problems from {dat['test_templates']} templates of {dat['test_frames']} "
-         f"story frames never trained on. Stage 1 AR SFT {S['ar_steps']} steps x {S['batch_size']} rows at lr "
-         f"{S['lr']:g}; stage 2 (MARS, the paper's loss, B = {S['block_size']}) and the AR SFT arm from stage 1's "
-         f"weights, each with its own lr and steps chosen on validation, at seeds {c['seeds']}. Every interval: "
-         f"95 %, paired, clustered by template ({DRAWS} two-stage resamples), ± its half-width.", "",
-         "Decoded on: " + "; ".join(res["eval_machines"]) + ".", "", "## Targets", "",
-         "| target | reached | met |", "|---|---|---|"]
+    L = intro(res) + ["## Targets", "", "| target | reached | met |", "|---|---|---|"]
     L += [f"| {t['target']} | {t['reached']} | {'yes' if t['met'] else '**no**'} |" for t in res["targets"]]
-    L += ["", "## MARS against AR SFT at tau = 1 (accuracy, %)", "",
-          "| seed | AR SFT | MARS | MARS - AR SFT, points |", "|---|---|---|---|"]
-    for s, r in n["tau1"].items():
-        L.append(f"| {s} | {ci(r['ar_sft'])} | {ci(r['mars'])} | {ci(r['mars_minus_ar_sft'])} |")
-    L += ["", f"The base, tau = 1: {ci(n['base'])} %.", "", "By family (pooled seeds, %):", "",
-          "| family | problems | base | AR SFT | MARS |", "|---|---|---|---|---|"]
-    L += [f"| {f} | {v['n']} | {v['base']:.1f} | {v['ar_sft']:.1f} | {v['mars']:.1f} |" for f, v in n["families"].items()]
-    L += ["", "## The tau rule and exact mode (MARS)", "",
-          "| seed | decoder | accuracy, % | tokens / forward | share of tau = 1 accuracy kept | paper 7B kept | "
-          "identical to tau = 1 |", "|---|---|---|---|---|---|---|"]
-    for r in n["sweep"]:
-        pk = f"{100 * r['paper_kept']:.0f} %" if r["paper_kept"] else ""
-        L.append(f"| {r['seed']} | tau = {r['tau']:g} | {ci(r['accuracy'])} | "
-                 f"{ci(r['tokens_per_forward'], fmt='{:.3f}')} | {ci(r['kept'], 100)} % | {pk} | "
-                 f"{100 * r['identical_to_tau1']:.1f} % |")
-    for e in n["exact"]:
-        L.append(f"| {e['seed']} | exact K = {e['drafts']} | {ci(e['accuracy'])} | "
-                 f"{ci(e['tokens_per_forward'], fmt='{:.3f}')} | | | {100 * e['identical_to_tau1']:.1f} % |")
-    for tau, r in n["pooled"].items():
-        pk = f"{100 * r['paper_kept']:.0f} %" if r["paper_kept"] else ""
-        L.append(f"| pooled | tau = {tau} | {ci(r['accuracy'])} | {ci(r['tokens_per_forward'], fmt='{:.3f}')} | "
-                 f"{ci(r['kept'], 100)} % | {pk} | |")
-    L += ["", "## Selection on validation", "", f"Rule (written in the code before any test decode): {sel['rule']}. "
-          f"Gate: tau = {sel['gate']['tau']:g}, at least {sel['gate']['min_tokens_per_forward']} tokens per "
-          f"forward. {sel['n_val']} validation problems (frames neither trained on nor tested), seed {sel['seed']}.",
-          "", "| arm | candidate | val accuracy tau = 1 | gate tokens / forward | val loss at the end (L_mask, L_AR) | "
-          "chosen |", "|---|---|---|---|---|---|"]
-    g = f"{sel['gate']['tau']:g}"
-    for arm, a in sel["arms"].items():
-        for i, cand in enumerate(a["candidates"]):
-            v, last = cand["val"], cand["val_loss"][-1]
-            gate = f"{v[g]['tokens_per_forward']:.3f}" if g in v else ""
-            L.append(f"| {arm} | `{json.dumps(cand['settings'])}` | {100 * v['1']['accuracy']:.1f} % "
-                     f"({v['1']['correct']}/{v['1']['n']}) | {gate} | {last['val_loss']:.4f} "
-                     f"({last['val_l_mask'] if last['val_l_mask'] is None else round(last['val_l_mask'], 4)}, "
-                     f"{last['val_l_ar']:.4f}) | {'**yes**' if i == a['chosen'] else ''} |")
-    L += ["", "## Validation L_AR (train.py's log, first eval_rows validation rows)", "",
+    n = res["numbers"]
+    L += [""] + accuracy_tables(n) + sweep_table(n) + selection_table(res["selection"])
+    L += ["## Validation L_AR (train.py's log: the first eval_rows validation rows)", "",
           "| run | first | end |", "|---|---|---|"]
-    for name, recs in res["val_losses"].items():
-        if recs:
-            L.append(f"| {name} | {recs[0]['val_l_ar']:.4f} (step {recs[0]['step']}) | "
-                     f"{recs[-1]['val_l_ar']:.4f} (step {recs[-1]['step']}) |")
-    ec = res["engine_check"]
+    L += [f"| {name} | {recs[0]['val_l_ar']:.4f} (step {recs[0]['step']}) | {recs[-1]['val_l_ar']:.4f} "
+          f"(step {recs[-1]['step']}) |" for name, recs in res["val_losses"].items() if recs]
+    ec, p = res["engine_check"], res["protocol"]
+    equal = ", ".join(f"{k} {100 * v['equal']:.0f} %" for k, v in ec["decoders"].items())
     L += ["", "## The engine = the reference", "",
-          f"The evaluation's engine (fast.make_fast, batches of {ec['eval_batch']}) in {ec['dtype']} against the "
-          f"reference decoders (plain model.py, one prompt at a time) on the first {ec['n']} test problems, MARS "
-          "seed " + str(c["seeds"][0]) + ": " + ", ".join(f"{k} {100 * v['equal']:.0f} % equal"
-                                                         for k, v in ec["decoders"].items()) + ".",
-          "", f"The protocol's check: {len(res['protocol']['violations'])} violations; choice "
-          f"`{json.dumps(res['protocol']['choice'])}`. Replies: replies.jsonl (every decode, `seed`, `template`, "
-          "`drafts`).", "", res["run"]["machine"], ""]
+          f"The evaluation's engine (fast.make_fast, batches of {ec['eval_batch']}) in {ec['dtype']} against "
+          f"the reference decoders (plain model.py, one prompt at a time) on the first {ec['n']} test "
+          f"problems (MARS, seed {res['config']['seeds'][0]}), replies equal: {equal}.", "",
+          f"The protocol's check: {len(p['violations'])} violations; the choice `{json.dumps(p['choice'])}`. "
+          "Every reply: replies.jsonl (`seed`, `template`, `drafts` on each row).", "",
+          res["run"]["machine"], ""]
     write_text(os.path.join(d, "RESULTS.md"), "\n".join(L))
 
 
