@@ -133,7 +133,7 @@ def test_replies_regrade_and_engine_is_the_reference(smoke):
     p = problems[rows[0]["problem"]]  # the smoke's replies are all wrong: reply_row on a right one too
     right = tok.encode(p["messages"][1]["content"]) + [tok.eos_id]
     assert reply_row(tok, p, "mars", 0, "tau", 1.0, Generation(right, 9))["correct"]
-    assert not reply_row(tok, p, "mars", 0, "tau", 1.0, Generation(right[:-4], 9))["correct"]  # cut mid-answer
+    assert not reply_row(tok, p, "mars", 0, "tau", 1.0, Generation(right[:-4], 9))["correct"]  # cut
     eos, multi = eos_of(tok), 0
     models = {}
     for r in rows:
