@@ -22,8 +22,15 @@ end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_mod
     task_eval.py   the task protocol's evaluation on test, in resumable pieces: accuracy, the τ sweep,
                    exact mode, the wall clock, the ceiling; round 3's ceiling; results.json's numbers
     task_page.py   the task protocol's page (RESULTS.md, tau_sweep.png) from results.json alone
+    task_pilot.py  the task protocol's pilot on validation: lr and stage 1's steps chosen by its rule
+    task_speed.py  the task model timed as a user runs it: the reference, the engine, its loops, HF
+    clustered.py   a paired two-stage bootstrap: templates, then problems within them (issue 61)
+    task2.py       issue 61's protocol ("protocol": "tasks2"): task set v2, each arm's lr and steps
+                   chosen on validation, two seeds, every decode on the engine in batches
+    task2_page.py  its results.json (clustered intervals) and RESULTS.md from results.json alone
 
-Imports run down: __main__ -> protocol -> (task_eval -> stages, task_page -> report); stages ->
+Imports run down: __main__ -> protocol -> (task_eval -> stages, task_page -> report), __main__ ->
+task2_page -> (task2 -> stages, clustered); stages ->
 (replies, committed, training, evaluation, speed, page -> round3 -> report) -> reliability,
 ceiling, run -> the core (root modules, data/, util/, scripts/common.py); never another script's
 package. Nothing is imported here: each user imports the module it needs.

@@ -14,6 +14,9 @@
                                                                     # (task_pilot.py)
     python -m scripts.real_model --config task --speed              # stage 2's model timed as a user runs
                                                                     # it (task_speed.py; --report: the page)
+    python -m scripts.real_model --config task2     # issue 61: task set v2, each arm chosen on validation,
+                                                    # two seeds, clustered intervals (task2.py; --report,
+                                                    # --smoke as above)
 
 Stages, each written atomically (util.atomic) under out/real_model/NAME/ and skipped when
 its output is present and its key matches the one in stages.json; a key hashes the stage's
@@ -48,7 +51,8 @@ killed run is started again with the same command:
 
 A config whose "_real_model" says "protocol": "tasks" runs protocol.py's stages instead (convert,
 ceiling_r3, tasks, sft, mars, ar_sft, check, evaluate, report: AR SFT, then MARS from its weights,
-against AR SFT continued; evaluated on test once; the page from results.json alone).
+against AR SFT continued; evaluated on test once; the page from results.json alone); "protocol":
+"tasks2" runs task2.py's (convert, tasks, sft, select, seeds, check, evaluate, report).
 
 This file is the CLI and the order of the stages; what each stage does and its key are in
 stages.py (protocol.py for the task protocol), the package's modules are listed in __init__.py.
@@ -126,7 +130,6 @@ def main(argv=None):
             return export_rows(run)
         if a.until and stage.__name__ == f"stage_{a.until}":
             break
-
 
 
 def run_protocol(a, name, path, full, cfg):
