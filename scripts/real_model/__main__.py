@@ -177,6 +177,9 @@ def run_task2(a, name, path, full, cfg):
     run = Run(name, cfg, path, full, a.smoke)
     print(f"real_model: {path}{' (smoke)' if a.smoke else ''}, issue 61's protocol, run dir {run.dir}; "
           f"{task2.predict(cfg, run.train_settings())}", flush=True)
+    if task2.earlier_page(run):
+        print(f"real_model: warning: {task2.earlier_page(run)} is an earlier run's; the report stage stops "
+              "until it is moved below the results dir", flush=True)
     for stage in (stage_convert, task2.stage_tasks, task2.stage_sft, task2.stage_select, task2.stage_seeds,
                   task2.stage_check, task2.stage_evaluate, task2.stage_report):
         stage(run)

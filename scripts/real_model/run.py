@@ -109,6 +109,9 @@ class Run:
         rec = self.manifest.get(name, {})
         if rec.get("key") == key and all(os.path.exists(o) for o in outputs):
             print(f"[{name}] done before (key {key}), skipped", flush=True)
+            if rec.get("unfinished"):  # its outputs were all written before a kill: finished now
+                self.manifest[name] = {"key": key, "elapsed_s": rec["elapsed_s"], "resumed": True}
+                write_json(self.manifest_path, self.manifest)
             return
         print(f"[{name}] starting", flush=True)
         t0 = time.time()

@@ -62,6 +62,7 @@ TASK_CODE = tuple(f"data/tasks/v2/{m}.py" for m in ("__init__", "frames", "units
     ("data/tasks/__init__.py", "data/tasks/pools.py", "data/prepare.py", "data/synthetic.py")
 EVAL_CODE = DECODING + ("exact.py", "data/tasks/v2/grade.py", "scripts/real_model/evaluation.py") + tuple(
     f"fast/{m}.py" for m in ("__init__", "step", "linear", "attention", "cache", "argmax"))
+PROMPT_CODE = ("tokenizer.py", "chat_template.py")  # what turns a problem into the prompt's ids
 PAPER_LOSS = {"w_ar": 1.0, "ar_target": "tokens", "block_size": 4, "bidirectional": False,
               "inv_t_weight": False}  # §4, §7: CE on both streams, weighted equally, B = 4
 PER_RUN = {"out_dir", "init_from", "ar_steps", "mars_steps", "lr", "seed"}  # what stages may differ in
@@ -71,9 +72,11 @@ RULE = ("each arm by its own validation accuracy at tau = 1 (the higher wins; ti
 JSONL_KEYS = ("problem", "family", "frame", "template", "model", "seed", "tau", "drafts", "reply", "tokens",
               "forwards", "finished", "answer", "correct", "ids")
 # --smoke: a few problems, 2 steps a stage, two candidates an arm, two seeds; float64 (a re-decode
-# gives the same tokens whatever the batch); the second τ low (a tiny random model's masks)
+# gives the same tokens whatever the batch); the τ < 1 low (a tiny random model's masks); a τ at
+# the first seed only, as in the real config
 SMOKE = {"tasks": {"train": 8, "val": 4, "test": 6}, "threads": 1, "n_val": 4, "n_eval": 6, "n_check": 3,
-         "seeds": [0, 1], "taus": [1.0, 0.03], "taus_more": [1.0, 0.03], "drafts": [2], "max_new_tokens": 12,
+         "seeds": [0, 1], "taus": [1.0, 0.05, 0.03], "taus_more": [1.0, 0.03], "drafts": [2],
+         "max_new_tokens": 12,
          "eval_batch": 2, "dtype": "float64",
          "gate": {"tau": 0.03, "min_tokens_per_forward": 1.5},
          "candidates": {"mars": [{"lr": 1e-4, "steps": 2}, {"lr": 3e-5, "steps": 2}],
@@ -220,7 +223,7 @@ def load_piece(run, folder, name):
 
 def eval_common(run, split):
     return digest("eval2", {k: run.cfg.get(k) for k in ("max_new_tokens", "eval_batch", "dtype", "device")},
-                  run.train_settings()["block_size"], *[("file", f) for f in EVAL_CODE],
+                  run.train_settings()["block_size"], *[("file", f) for f in EVAL_CODE + PROMPT_CODE],
                   *[("code", f) for f in (decoders, reply_row, decode)],
                   ("file", run.path("data", f"{split}.jsonl")))
 
@@ -356,10 +359,12 @@ def stage_check(run):
         choice = {arm: sel["arms"][arm]["chosen_settings"] for arm in ARMS}
         rec = recorded(run)
         found = violations(rec, sft_dir(run), choice, run.cfg["seeds"])
-        write_json(out, {"violations": found, "sft_dir": sft_dir(run), "choice": choice,
-                         "seeds": run.cfg["seeds"], "settings": rec})
-        if found:
+        record = {"violations": found, "sft_dir": sft_dir(run), "choice": choice, "seeds": run.cfg["seeds"],
+                  "settings": rec}
+        if found:  # not protocol.json: a run started again must not find the check done
+            write_json(run.path("protocol_violations.json"), record)
             raise SystemExit("the run broke the protocol:\n  " + "\n  ".join(found))
+        write_json(out, record)
         print(f"[check] the protocol holds: {out}", flush=True)
     run.stage("check", key, [out], make)
 
@@ -385,6 +390,8 @@ def weights_of(run, model, seed):
 
 
 def stage_evaluate(run):
+    if json.load(open(run.path("protocol.json")))["violations"]:
+        raise SystemExit(f"{run.path('protocol.json')}: the run broke the protocol; nothing is evaluated")
     c, ch = run.cfg, chosen(run)
     problems, common = problems_of(run, "test", c["n_eval"]), eval_common(run, "test")
     train_keys = {(a, s): run.manifest[stage2_name(a, i, s)]["key"]
@@ -398,7 +405,8 @@ def stage_evaluate(run):
                      decode(run, m, tok, problems, model, seed, kind, arg)))
     mars0 = weights_of(run, "mars", c["seeds"][0])
     todo.append(("engine_check", digest(common, c["n_check"], train_keys[("mars", c["seeds"][0])], "check",
-                                        c["taus"], c["drafts"]), mars0,
+                                        c["taus"], c["drafts"], str(reference_dtype(run)),
+                                        ("code", engine_check)), mars0,
                  lambda m, tok: engine_check(run, mars0, tok, problems[:c["n_check"]])))
     keys = [k for _, k, _, _ in todo]
     run.stage("evaluate", digest(keys), [run.path("eval", f"{n}.json") for n, _, _, _ in todo],
@@ -406,9 +414,10 @@ def stage_evaluate(run):
 
 
 def reference_dtype(run):
-    """The check's dtype: float32, as `python generate.py` decodes (float64 in the smoke)."""
+    """The check's dtype: float32, as `python generate.py` decodes (in the smoke too: the claim is
+    float32's)."""
     import torch
-    return torch.float64 if run.smoke else torch.float32
+    return torch.float32
 
 
 def engine_check(run, weights, tok, problems):
@@ -438,6 +447,15 @@ def reply_rows(run):
     return [r for name, *_ in test_pieces(run) for r in load_piece(run, "eval", name)["rows"]]
 
 
+def earlier_page(run):
+    """The results.json in the run's results_dir when it is another protocol's (it must move below
+    first: the report would overwrite it), else None."""
+    old = os.path.join(run.results, "results.json")
+    if os.path.isfile(old) and json.load(open(old))["config"].get("protocol") != "tasks2":
+        return old
+    return None
+
+
 def stage_report(run):
     from scripts.real_model import task2_page
 
@@ -446,8 +464,8 @@ def stage_report(run):
                  *[("file", f"scripts/real_model/{m}.py") for m in ("task2_page", "task2", "clustered")])
 
     def make():
-        old = os.path.join(run.results, "results.json")
-        if os.path.isfile(old) and json.load(open(old))["config"].get("protocol") != "tasks2":
+        old = earlier_page(run)
+        if old:
             raise SystemExit(f"{old} is an earlier run's (issue 54's protocol): move its pages below "
                              f"{run.results} first (earlier runs are kept below the page)")
         os.makedirs(run.results, exist_ok=True)
