@@ -276,13 +276,13 @@ def test_speed_ratios_are_the_recorded_times_and_rounds_alternate(speed_smoke):
 
 
 def test_the_committed_speed_page_is_its_json():
-    """results/real_model/task/SPEED.md (issue 62) is task_speed.speed_page of the committed speed.json,
+    """results/real_model/task/v1/SPEED.md (issue 62) is task_speed.speed_page of the committed speed.json,
     whose numbers are its recorded times (check_speed_json); on the real model exact mode gave its
     path's AR replies on every timed problem, every path and batch, and the engine's dtype was the one
     the page names."""
     from scripts.real_model.task_speed import speed_page
 
-    d = os.path.join(REPO, "results", "real_model", "task")
+    d = os.path.join(REPO, "results", "real_model", "task", "v1")
     res = json.load(open(os.path.join(d, "speed.json")))
     assert open(os.path.join(d, "SPEED.md")).read() == speed_page(res)
     check_speed_json(res)
@@ -437,7 +437,7 @@ def test_task_pilot_run_dirs_and_bad_candidates():
 
 
 def test_task_config_runs_what_the_committed_pilot_chose():
-    """configs/smollm2-task.json's settings are the ones its committed pilot (results/real_model/task/
+    """configs/smollm2-task.json's settings are the ones its committed pilot (results/real_model/task/v1/
     pilot.json) chose on validation, that choice is the rule's on the pilot's recorded numbers, and the
     committed PILOT.md is its page, rendered from pilot.json alone."""
     from scripts.real_model.task_pilot import pilot_page
@@ -457,7 +457,7 @@ def test_task_config_runs_what_the_committed_pilot_chose():
 
 @pytest.mark.parametrize("sub", ["", "proposal"])
 def test_the_committed_task_pages_are_their_replies_counted(sub):
-    """The committed task run's pages (results/real_model/task/: the run of the committed config;
+    """The committed task run's pages (results/real_model/task/v1/: the run of the committed config;
     proposal/: the run before the pilot, of its first candidate): RESULTS.md is task_page's page of
     results.json alone; every reply's verdict is the family's grader on its text; results.json's
     accuracies and tokens per forward are counts of replies.jsonl; the settings it records are the
