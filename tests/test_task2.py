@@ -265,3 +265,34 @@ def test_rule_on_hand_made_numbers():
              ([c(0.3), c(0.8), c(0.8)], None, 1)]  # the AR arm
     for cands, g, want in cases:
         assert choose([x["val"] for x in cands], g) == rule_choice(cands, g) == want
+
+
+def test_partial_page_from_the_pieces_on_disk(smoke, tmp_path, monkeypatch):
+    """`--partial` while pieces are missing: the page is marked partial and names them, its numbers come
+    from the pieces there (seed 0's headline alone when seed 1's MARS reply set is missing, no pooled row,
+    no base, no engine check), and nothing is run; the report stage's pages are untouched once restored."""
+    from scripts.real_model.__main__ import main
+    from scripts.real_model.task2 import SMOKE
+
+    run, res_dir = smoke / RUN, smoke / RUN / "results"
+    shutil.copytree(res_dir, tmp_path / "results")
+    gone = ["mars_s1_tau1", "base_tau1", "engine_check"]
+    for n in gone:
+        os.rename(run / "eval" / f"{n}.json", tmp_path / f"{n}.json")
+    monkeypatch.chdir(smoke)
+    try:
+        main(["--config", "task2", "--smoke", "--partial"])
+        res = json.load(open(res_dir / "results.json"))
+        page = (res_dir / "RESULTS.md").read_text()
+    finally:
+        for n in gone:
+            os.rename(tmp_path / f"{n}.json", run / "eval" / f"{n}.json")
+        shutil.rmtree(res_dir)
+        shutil.copytree(tmp_path / "results", res_dir)
+    assert res["partial"]["missing"] == gone and "**Partial" in page
+    assert list(res["numbers"]["tau1"]) == ["0"] and res["numbers"]["base"] is None
+    assert res["engine_check"] is None and {r["seed"] for r in res["numbers"]["sweep"]} == {0}
+    rows = [r for r in read_jsonl(run / "results" / "replies.jsonl")
+            if (r["model"], r["seed"], r["tau"], r["drafts"]) == ("mars", 0, 1.0, None)]
+    acc = sum(r["correct"] for r in rows) / SMOKE["n_eval"]
+    assert res["numbers"]["tau1"]["0"]["mars"]["estimate"] == pytest.approx(100 * acc, abs=1e-12)

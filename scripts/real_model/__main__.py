@@ -100,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--pilot", action="store_true", help="the task protocol's pilot: each candidate of the "
                     "config's \"pilot\" trained and evaluated on validation, the rule's choice -> pilot.json "
                     "(task_pilot.py), and stop")
+    ap.add_argument("--partial", action="store_true", help="issue 61's protocol (--config task2): its page "
+                    "from the evaluation's pieces on disk so far, marked partial (nothing is run), and stop")
     ap.add_argument("--speed", action="store_true", help="the task protocol's speed run: the stages up to "
                     "stage 2 (mars), then every decoder on the reference, the engine and HF, timed "
                     "(task_speed.py) -> speed.json, SPEED.md; with --report only the page, from speed.json")
@@ -110,6 +112,8 @@ def main(argv=None):
         return run_task2(a, name, path, full, cfg)
     if protocol.is_protocol(cfg):
         return run_protocol(a, name, path, full, cfg)
+    if a.partial:
+        raise SystemExit("--partial belongs to issue 61's protocol (--config task2)")
     if a.pilot or a.speed:
         raise SystemExit(f"--{'pilot' if a.pilot else 'speed'} belongs to the task protocol (--config task), "
                          "not round 3's configs")
@@ -135,8 +139,9 @@ def main(argv=None):
 def run_protocol(a, name, path, full, cfg):
     """The task protocol's stages in order (protocol.py), --smoke shrunk by protocol.SMOKE; --report:
     its page again from its results.json alone (task_page.rewrite)."""
-    if a.export_rows:
-        raise SystemExit("--export-rows belongs to round 3's configs, not the task protocol")
+    if a.export_rows or a.partial:
+        raise SystemExit(f"--{'export-rows' if a.export_rows else 'partial'} is not the task protocol's "
+                         "(--config task)")
     cfg = protocol.smoke_config(cfg) if a.smoke else cfg
     settings = train_settings(full, cfg)
     protocol.check_pilot(cfg, path, settings)
@@ -172,6 +177,8 @@ def run_task2(a, name, path, full, cfg):
     cfg = task2.smoke_config(cfg) if a.smoke else cfg
     if a.report:
         return task2_page.rewrite(results_dir(name, cfg, a.smoke))
+    if a.partial:
+        return task2.write_results(Run(name, cfg, path, full, a.smoke), partial=True)
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(cfg["seed"])
     run = Run(name, cfg, path, full, a.smoke)

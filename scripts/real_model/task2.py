@@ -444,7 +444,9 @@ def engine_check(run, weights, tok, problems):
 
 # ---------------------------------------------------------------- report
 def reply_rows(run):
-    return [r for name, *_ in test_pieces(run) for r in load_piece(run, "eval", name)["rows"]]
+    """Every reply of the test pieces on disk, in test_pieces' order."""
+    return [r for name, *_ in test_pieces(run) if os.path.isfile(run.path("eval", f"{name}.json"))
+            for r in load_piece(run, "eval", name)["rows"]]
 
 
 def earlier_page(run):
@@ -457,37 +459,40 @@ def earlier_page(run):
 
 
 def stage_report(run):
-    from scripts.real_model import task2_page
-
     outs = [os.path.join(run.results, f) for f in ("results.json", "replies.jsonl", "RESULTS.md")]
     key = digest("report2", *[run.manifest.get(s, {}).get("key") for s in ("check", "evaluate", "select")],
                  *[("file", f"scripts/real_model/{m}.py") for m in ("task2_page", "task2", "clustered")])
+    run.stage("report", key, outs, lambda: write_results(run))
 
-    def make():
-        old = earlier_page(run)
-        if old:
-            raise SystemExit(f"{old} is an earlier run's (issue 54's protocol): move its pages below "
-                             f"{run.results} first (earlier runs are kept below the page)")
-        os.makedirs(run.results, exist_ok=True)
-        rows = reply_rows(run)
-        write_text(os.path.join(run.results, "replies.jsonl"),
-                   "".join(json.dumps({k: r[k] for k in JSONL_KEYS}) + "\n" for r in rows))
-        res = task2_page.results_of(run)
-        write_json(os.path.join(run.results, "results.json"), res)
-        task2_page.write_page(res, run.results)
-        print(f"[report] {run.results}: results.json, replies.jsonl ({len(rows)} rows), RESULTS.md",
-              flush=True)
-    run.stage("report", key, outs, make)
+
+def write_results(run, partial=False):
+    """replies.jsonl and results.json (task2_page.results_of) into the results dir, then RESULTS.md from
+    results.json alone; `partial` (--partial): from the pieces on disk so far, the page marked partial."""
+    from scripts.real_model import task2_page
+
+    old = earlier_page(run)
+    if old:
+        raise SystemExit(f"{old} is an earlier run's (issue 54's protocol): move its pages below "
+                         f"{run.results} first (earlier runs are kept below the page)")
+    res = task2_page.results_of(run, partial)
+    os.makedirs(run.results, exist_ok=True)
+    rows = reply_rows(run)
+    write_text(os.path.join(run.results, "replies.jsonl"),
+               "".join(json.dumps({k: r[k] for k in JSONL_KEYS}) + "\n" for r in rows))
+    write_json(os.path.join(run.results, "results.json"), res)
+    task2_page.write_page(res, run.results)
+    print(f"[report] {run.results}: results.json, replies.jsonl ({len(rows)} rows), RESULTS.md"
+          f"{' (partial)' if partial else ''}", flush=True)
 
 
 def stage_losses(run):
-    """Each run's validation records (train.py's log.jsonl): stage 1, and each arm at each seed."""
-    ch = chosen(run)
-    out = {"sft": val_losses(run.path("sft"))}
-    for arm, i in ch.items():
-        for s in run.cfg["seeds"]:
-            out[f"{arm} seed {s}"] = val_losses(run.path(stage2_name(arm, i, s)))
-    return out
+    """Each run's validation records (train.py's log.jsonl): stage 1, and each arm's chosen candidate
+    at each seed, those that have begun."""
+    runs = {"sft": run.path("sft")}
+    if os.path.isfile(run.path("select.json")):
+        runs.update({f"{arm} seed {s}": run.path(stage2_name(arm, i, s))
+                     for arm, i in chosen(run).items() for s in run.cfg["seeds"]})
+    return {name: val_losses(d) for name, d in runs.items() if os.path.isfile(os.path.join(d, "log.jsonl"))}
 
 
 def predict(cfg, S):

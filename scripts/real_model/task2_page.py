@@ -6,7 +6,10 @@ problems within each drawn template, the same draw for every arm and τ compared
 each interval's half-width. Pooled over seeds, a problem's result is the mean of its seeds' (0, 0.5
 or 1), so seeds are averaged before problems and templates are resampled. "Share of τ = 1 accuracy
 kept" is accuracy at τ over accuracy at τ = 1 on the same problems, the paper's 7B GSM8K beside it
-(PAPER_KEPT: the paper's Table of τ on Qwen2.5-7B, 71.0 / 73.2 and 67.3 / 73.2).
+(PAPER_7B: the paper's τ sweep on Qwen2.5-7B, GSM8K, B = 4: accuracy and tokens per forward).
+
+A run not yet finished gets a partial page (`--partial`): the same numbers from the pieces on disk,
+each section where its pieces are, the page marked partial; the report stage's page replaces it.
 
 What this module does not know: models, decoding (task2.py).
 """
@@ -21,14 +24,16 @@ from scripts.real_model.clustered import paired_bootstrap
 from scripts.real_model.task2 import ARMS, load_piece, problems_of, stage_losses, test_pieces
 from util.atomic import write_text
 
-PAPER_KEPT = {"0.95": 71.0 / 73.2, "0.8": 67.3 / 73.2}  # §7: the paper's 7B on GSM8K, share of τ = 1 kept
+PAPER_7B = {"1": (73.2, 1.00), "0.95": (71.0, 1.79), "0.9": (70.3, 1.96), "0.8": (67.7, 2.19),
+            "0.7": (63.8, 2.37), "0.6": (60.3, 2.55), "0.5": (56.0, 2.77)}  # §7: accuracy %, tokens/forward
+PAPER_KEPT = {t: acc / PAPER_7B["1"][0] for t, (acc, _) in PAPER_7B.items()}  # share of τ = 1 accuracy kept
 DRAWS = 2000
 
 
 def table(run):
-    """{(model, seed, kind, arg): {problem id: reply row}} of every test piece."""
+    """{(model, seed, kind, arg): {problem id: reply row}} of every test piece on disk."""
     return {(m, s, k, a): {r["problem"]: r for r in load_piece(run, "eval", n)["rows"]}
-            for n, m, s, k, a in test_pieces(run)}
+            for n, m, s, k, a in test_pieces(run) if os.path.isfile(run.path("eval", f"{n}.json"))}
 
 
 def mean_pct(a):
@@ -70,7 +75,10 @@ def summarise(t, ids, groups, seeds, frames=None):
         return [(s, [s]) for s in have] + ([("pooled", have)] if len(have) > 1 else [])
 
     tau1 = lambda m, ss: [(m, s, "tau", 1.0) for s in ss]  # noqa: E731
-    out = {"tau1": {}, "sweep": [], "exact": []}
+    out = {"tau1": {}, "sweep": [], "exact": [], "base": None, "families": {}}
+    seeds = [s for s in seeds if all(k in t for k in tau1("ar_sft", [s]) + tau1("mars", [s]))]  # on disk
+    if not seeds:
+        return out
     for label, ss in runs(seeds):
         a, m = acc(tau1("ar_sft", ss)), acc(tau1("mars", ss))
         out["tau1"][str(label)] = {"ar_sft": boot([a], mean_pct), "mars": boot([m], mean_pct),
@@ -89,38 +97,42 @@ def summarise(t, ids, groups, seeds, frames=None):
                 if kind == "tau":
                     row.update(tau=arg, kept=boot([a1, a], kept), change=boot([a1, a], diff_pct),
                                finished=float(np.mean([col(k, "finished") for k in keys])),
-                               paper_kept=PAPER_KEPT.get(f"{arg:g}"))
+                               paper_kept=PAPER_KEPT.get(f"{arg:g}"),
+                               paper_tokens_per_forward=PAPER_7B.get(f"{arg:g}", (None, None))[1])
                 else:
                     row.update(drafts=arg)
                 out["sweep" if kind == "tau" else "exact"].append(row)
-    base = col(("base", None, "tau", 1.0))
-    out["base"] = boot([base], mean_pct)
+    have_base = ("base", None, "tau", 1.0) in t
+    base = col(("base", None, "tau", 1.0)) if have_base else None
+    out["base"] = boot([base], mean_pct) if have_base else None
     pooled = {m: acc(tau1(m, seeds)) for m in ARMS}
     fams = {}
     for i, p in enumerate(ids):
         fams.setdefault(t[("ar_sft", seeds[0], "tau", 1.0)][p]["family"], []).append(i)
-    out["families"] = {f: {"n": len(ix), "base": float(100 * base[ix].mean()),
+    out["families"] = {f: {"n": len(ix), "base": float(100 * base[ix].mean()) if have_base else None,
                            **{m: float(100 * pooled[m][ix].mean()) for m in ARMS}}
                        for f, ix in sorted(fams.items())}
     return out
 
 
 def last_val_l_ar(recs):
-    return next((r["val_l_ar"] for r in reversed(recs) if r["val_l_ar"] is not None), None)
+    return next((r["val_l_ar"] for r in reversed(recs or []) if r["val_l_ar"] is not None), None)
 
 
 def targets(res):
-    """The issue's targets: [{"target", "reached", "met"}]."""
-    n = res["numbers"]
-    d = n["tau1"]["pooled"]["mars_minus_ar_sft"]
-    out = [("MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points", f"{d['half_width']:.1f}",
-            d["half_width"] <= 3),
-           ("MARS - AR SFT at tau = 1: point estimate >= -1 point", f"{d['estimate']:+.1f}",
-            d["estimate"] >= -1)]
-    s1 = last_val_l_ar(res["val_losses"]["sft"])
+    """The issue's targets, those whose numbers are there (a partial page has fewer):
+    [{"target", "reached", "met"}]."""
+    n, out = res["numbers"], []
+    d = n["tau1"].get("pooled", {}).get("mars_minus_ar_sft")
+    if d:
+        out += [("MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points", f"{d['half_width']:.1f}",
+                 d["half_width"] <= 3),
+                ("MARS - AR SFT at tau = 1: point estimate >= -1 point", f"{d['estimate']:+.1f}",
+                 d["estimate"] >= -1)]
+    s1 = last_val_l_ar(res["val_losses"].get("sft", []))
     for name, recs in res["val_losses"].items():
-        if name != "sft":
-            v = last_val_l_ar(recs)
+        v = last_val_l_ar(recs)
+        if name != "sft" and v is not None and s1 is not None:
             out.append((f"{name}: validation L_AR at its end <= stage 1's end ({s1:.4f})", f"{v:.4f}",
                         v <= s1))
     pooled = {f"{r['tau']:g}": r for r in n["sweep"] if r["seed"] == "pooled"}
@@ -138,31 +150,42 @@ def targets(res):
             out.append((f"exact K = 4 (seed {e['seed']}): AR's replies on every problem",
                         f"{100 * e['identical_to_tau1']:.1f} %", e["identical_to_tau1"] == 1.0))
             out.append((f"exact K = 4 (seed {e['seed']}): tokens per forward >= 2.3", f"{v:.3f}", v >= 2.3))
-    for name, v in res["engine_check"]["decoders"].items():
+    for name, v in (res["engine_check"] or {"decoders": {}})["decoders"].items():
         out.append((f"the engine = the reference ({res['engine_check']['dtype']}), {name}: every reply",
                     f"{100 * v['equal']:.0f} % of {v['n']}", v["equal"] == 1.0))
-    out.append(("the protocol's check: no violation", str(len(res["protocol"]["violations"])),
-                not res["protocol"]["violations"]))
+    if res["protocol"]:
+        out.append(("the protocol's check: no violation", str(len(res["protocol"]["violations"])),
+                    not res["protocol"]["violations"]))
     return [{"target": a, "reached": b, "met": bool(c)} for a, b, c in out]
 
 
-def results_of(run):
+def read(path):
+    return json.load(open(path)) if os.path.isfile(path) else None
+
+
+def results_of(run, partial=False):
     """results.json: the numbers (summarise), the targets, the selection, the check, the validation
-    losses, the data's layout, the engine check, the settings and the machines."""
+    losses, the data's layout, the engine check, the settings and the machines; `partial`: from
+    whatever is on disk, the pieces still missing named (else each must be there)."""
     problems = problems_of(run, "test", run.cfg["n_eval"])
     ids, groups = [p["id"] for p in problems], [p["template"] for p in problems]
-    pieces = [n for n, *_ in test_pieces(run)]
+    names = [n for n, *_ in test_pieces(run)] + ["engine_check"]
+    missing = [n for n in names if not os.path.isfile(run.path("eval", f"{n}.json"))]
+    if missing and not partial:
+        raise SystemExit(f"{run.path('eval')}: pieces missing: {missing}")
     res = {"config": run.cfg, "train_settings": run.train_settings(),
+           "partial": {"missing": missing, "of": len(names)} if partial else None,
            "stages": {k: v for k, v in run.manifest.items() if not v.get("unfinished")},
-           "protocol": json.load(open(run.path("protocol.json"))),
-           "selection": json.load(open(run.path("select.json"))), "val_losses": stage_losses(run),
+           "protocol": read(run.path("protocol.json")), "selection": read(run.path("select.json")),
+           "val_losses": stage_losses(run),
            "data": {"test_problems": len(ids), "test_templates": len(set(groups)),
                     "test_frames": len({p["frame"] for p in problems}),
                     "layout": json.load(open(run.path("data", "templates.json")))},
            "numbers": summarise(table(run), ids, groups, run.cfg["seeds"],
                                 [p["frame"] for p in problems]),
-           "engine_check": load_piece(run, "eval", "engine_check"),
-           "eval_machines": sorted({load_piece(run, "eval", n)["machine"] for n in pieces}),
+           "engine_check": None if "engine_check" in missing else load_piece(run, "eval", "engine_check"),
+           "eval_machines": sorted({load_piece(run, "eval", n)["machine"] for n in names[:-1]
+                                    if n not in missing}),
            "run": {"command": f"python -m scripts.real_model --config {run.cfg_path}" +
                    (" --smoke" if run.smoke else ""), "smoke": run.smoke,
                    "machine": machine(run.cfg["device"])}}
@@ -177,42 +200,57 @@ def ci(b, scale=1.0, digits=1):
 
 
 def intro(res):
-    c, S, dat = res["config"], res["train_settings"], res["data"]
-    return ["# MARS on SmolLM2-135M-Instruct, task set v2 (issue 61)", "",
-            f"`{res['run']['command']}` (scripts/real_model/task2.py; this page: task2_page.py from "
-            f"results.json). Test: {dat['test_problems']} problems from {dat['test_templates']} templates of "
-            f"{dat['test_frames']} story frames never trained on. Stage 1: AR SFT, {S['ar_steps']} steps x "
-            f"{S['batch_size']} rows at lr {S['lr']:g}; from its weights stage 2 (MARS, the paper's loss, "
-            f"B = {S['block_size']}) and the arm (AR SFT continued), each with its own lr and steps chosen "
-            f"on validation, at seeds {c['seeds']}. Every interval: 95 %, paired, clustered by template "
-            f"({DRAWS} two-stage resamples), ± its half-width.", "",
-            "Decoded on: " + "; ".join(res["eval_machines"]) + ".", ""]
+    c, S, dat, part = res["config"], res["train_settings"], res["data"], res.get("partial")
+    head = ["# MARS on SmolLM2-135M-Instruct, task set v2 (issue 61)", ""]
+    if part:
+        head += [f"**Partial: the run is not finished.** {part['of'] - len(part['missing'])} of {part['of']} "
+                 f"pieces of the evaluation are on disk; missing: {', '.join(part['missing']) or 'none'}. "
+                 "Written by `--partial` from them; the report stage's page replaces this one.", ""]
+    return head + [
+        f"`{res['run']['command']}` (scripts/real_model/task2.py; this page: task2_page.py from "
+        f"results.json). Test: {dat['test_problems']} problems from {dat['test_templates']} templates of "
+        f"{dat['test_frames']} story frames never trained on. Stage 1: AR SFT, {S['ar_steps']} steps x "
+        f"{S['batch_size']} rows at lr {S['lr']:g}; from its weights stage 2 (MARS, the paper's loss, "
+        f"B = {S['block_size']}) and the arm (AR SFT continued), each with its own lr and steps chosen "
+        f"on validation, at seeds {c['seeds']}. Every interval: 95 %, paired, clustered by template "
+        f"({DRAWS} two-stage resamples), ± its half-width.", "",
+        "Decoded on: " + ("; ".join(res["eval_machines"]) or "nothing yet") + ".", ""]
 
 
 def accuracy_tables(n):
+    if not n["tau1"]:
+        return []
     L = ["## MARS against AR SFT at tau = 1 (accuracy, %)", "",
          "| seed | AR SFT | MARS | MARS - AR SFT, points |", "|---|---|---|---|"]
     L += [f"| {s} | {ci(r['ar_sft'])} | {ci(r['mars'])} | {ci(r['mars_minus_ar_sft'])} |"
           for s, r in n["tau1"].items()]
-    if "by_frame" in n["tau1"]["pooled"]:
+    last = list(n["tau1"].values())[-1]
+    if "by_frame" in last:
         L += ["", "With story frames resampled instead of templates (test has few frames; the templates of "
-              f"a frame share its story): MARS - AR SFT {ci(n['tau1']['pooled']['by_frame'])} points."]
-    L += ["", "Pooled: each problem's result is the mean over the seeds, then templates and problems are "
-          "resampled; the interval holds the test problems' variation, not the training seeds' (the seeds' "
-          "rows show that).",
-          "", f"The base at tau = 1: {ci(n['base'])} %.", "", "By family (pooled seeds, %):", "",
-          "| family | problems | base | AR SFT | MARS |", "|---|---|---|---|---|"]
-    L += [f"| {f} | {v['n']} | {v['base']:.1f} | {v['ar_sft']:.1f} | {v['mars']:.1f} |"
+              f"a frame share its story): MARS - AR SFT {ci(last['by_frame'])} points."]
+    if "pooled" in n["tau1"]:
+        L += ["", "Pooled: each problem's result is the mean over the seeds, then templates and problems are "
+              "resampled; the interval holds the test problems' variation, not the training seeds' (the "
+              "seeds' rows show that)."]
+    if n["base"]:
+        L += ["", f"The base at tau = 1: {ci(n['base'])} %."]
+    fmt = lambda x: "" if x is None else f"{x:.1f}"  # noqa: E731
+    L += ["", "By family (the seeds pooled, %):", "", "| family | problems | base | AR SFT | MARS |",
+          "|---|---|---|---|---|"]
+    L += [f"| {f} | {v['n']} | {fmt(v['base'])} | {v['ar_sft']:.1f} | {v['mars']:.1f} |"
           for f, v in n["families"].items()]
     return L + [""]
 
 
 def sweep_table(n):
+    if not n["sweep"]:
+        return []
     L = ["## The tau rule and exact mode (MARS)", "",
-         "| seed | decoder | accuracy, % | tokens / forward | share of tau = 1 accuracy kept, % | paper 7B "
-         "kept | identical to tau = 1 |", "|---|---|---|---|---|---|---|"]
+         "| seed | decoder | accuracy, % | tokens / forward | share of tau = 1 accuracy kept, % | paper 7B: "
+         "kept (tokens / forward) | identical to tau = 1 |", "|---|---|---|---|---|---|---|"]
     for r in n["sweep"]:
-        paper = f"{100 * r['paper_kept']:.0f} %" if r["paper_kept"] else ""
+        paper = (f"{100 * r['paper_kept']:.0f} % ({r['paper_tokens_per_forward']:.2f})"
+                 if r["paper_kept"] else "")
         L.append(f"| {r['seed']} | tau = {r['tau']:g} | {ci(r['accuracy'])} | "
                  f"{ci(r['tokens_per_forward'], digits=3)} | {ci(r['kept'], 100)} | {paper} | "
                  f"{100 * r['identical_to_tau1']:.1f} % |")
@@ -223,6 +261,8 @@ def sweep_table(n):
 
 
 def selection_table(sel):
+    if not sel:
+        return []
     g = f"{sel['gate']['tau']:g}"
     L = ["## Selection on validation", "",
          f"Rule (in the code before any test decode): {sel['rule']}. Gate: tau = {g}, at least "
@@ -252,13 +292,17 @@ def write_page(res, d):
     L += [f"| {name} | {recs[0]['val_l_ar']:.4f} (step {recs[0]['step']}) | {recs[-1]['val_l_ar']:.4f} "
           f"(step {recs[-1]['step']}) |" for name, recs in res["val_losses"].items() if recs]
     ec, p = res["engine_check"], res["protocol"]
-    equal = ", ".join(f"{k} {100 * v['equal']:.0f} %" for k, v in ec["decoders"].items())
-    L += ["", "## The engine = the reference", "",
-          f"The evaluation's engine (fast.make_fast, batches of {ec['eval_batch']}) in {ec['dtype']} against "
-          f"the reference decoders (plain model.py, one prompt at a time) on the first {ec['n']} test "
-          f"problems (MARS, seed {res['config']['seeds'][0]}), replies equal: {equal}.", "",
-          f"The protocol's check: {len(p['violations'])} violations; the choice `{json.dumps(p['choice'])}`. "
-          "Every reply: replies.jsonl (`seed`, `template`, `drafts` on each row).", "",
+    if ec:
+        equal = ", ".join(f"{k} {100 * v['equal']:.0f} %" for k, v in ec["decoders"].items())
+        L += ["", "## The engine = the reference", "",
+              f"The evaluation's engine (fast.make_fast, batches of {ec['eval_batch']}) in "
+              f"{ec['dtype']} against the reference decoders (plain model.py, one prompt at a time) on the "
+              f"first {ec['n']} test problems (MARS, seed {res['config']['seeds'][0]}), replies equal: "
+              f"{equal}."]
+    if p:
+        L += ["", f"The protocol's check: {len(p['violations'])} violations; the choice "
+              f"`{json.dumps(p['choice'])}`."]
+    L += ["", "Every reply: replies.jsonl (`seed`, `template`, `drafts` on each row).", "",
           res["run"]["machine"], ""]
     write_text(os.path.join(d, "RESULTS.md"), "\n".join(L))
 
