@@ -222,7 +222,9 @@ def load_piece(run, folder, name):
 
 
 def eval_common(run, split):
+    # the dtype auto resolved to: a run resumed on a CPU without bf16 units decodes its pieces again
     return digest("eval2", {k: run.cfg.get(k) for k in ("max_new_tokens", "eval_batch", "dtype", "device")},
+                  str(run_dtype(run)),
                   run.train_settings()["block_size"], *[("file", f) for f in EVAL_CODE + PROMPT_CODE],
                   *[("code", f) for f in (decoders, reply_row, decode)],
                   ("file", run.path("data", f"{split}.jsonl")))
