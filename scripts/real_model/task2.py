@@ -489,12 +489,13 @@ def write_results(run, partial=False):
 
 def stage_losses(run):
     """Each run's validation records (train.py's log.jsonl): stage 1, and each arm's chosen candidate
-    at each seed, those that have begun."""
-    runs = {"sft": run.path("sft")}
+    at each seed, those finished (released)."""
+    runs = {"sft": (run.path("sft"), "ar")}
     if os.path.isfile(run.path("select.json")):
-        runs.update({f"{arm} seed {s}": run.path(stage2_name(arm, i, s))
+        runs.update({f"{arm} seed {s}": (run.path(stage2_name(arm, i, s)), ARMS[arm])
                      for arm, i in chosen(run).items() for s in run.cfg["seeds"]})
-    return {name: val_losses(d) for name, d in runs.items() if os.path.isfile(os.path.join(d, "log.jsonl"))}
+    return {name: val_losses(d) for name, (d, release) in runs.items()
+            if os.path.isfile(os.path.join(d, release, "model.safetensors"))}  # finished runs only
 
 
 def predict(cfg, S):
