@@ -40,6 +40,22 @@ def task_smoke_root(tmp_path_factory, name, rows, config):
         main(["--config", config, "--smoke"])
     return root
 
+def page_through_report(root, config, res_dir, eval_dir, tmp_path):
+    """`python -m scripts.real_model --config CONFIG --smoke --report` run in a smoke's root with its
+    evaluation pieces moved away (so the page can come from results.json alone) -> the RESULTS.md it
+    writes; the pieces are put back."""
+    from scripts.real_model.__main__ import main
+
+    os.rename(eval_dir, tmp_path / "eval")
+    try:
+        (res_dir / "RESULTS.md").unlink()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(root)
+            main(["--config", config, "--smoke", "--report"])
+    finally:
+        os.rename(tmp_path / "eval", eval_dir)
+    return (res_dir / "RESULTS.md").read_text()
+
 def make_hf_model(path, seed=0, max_shard_size=None, **overrides):
     """Build a random HF Qwen2ForCausalLM (eager attention, fp32), save it to `path`
     and return it. A larger-than-default init std makes the output distribution peaked,

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import task_smoke_root
+from conftest import page_through_report, task_smoke_root
 
 from tokenizer import Tokenizer
 
@@ -225,10 +225,9 @@ def test_page_numbers_recount_from_the_replies(smoke):
     assert met["MARS - AR SFT at tau = 1 (pooled seeds): half-width <= 3 points"] == (d["half_width"] <= 3)
 
 
-def test_page_regenerates_from_results_alone(smoke, tmp_path, monkeypatch):
+def test_page_regenerates_from_results_alone(smoke, tmp_path):
     """RESULTS.md comes back byte for byte from results.json alone: in an empty directory, and through
     `--report` with the run's pieces gone."""
-    from scripts.real_model.__main__ import main
     from scripts.real_model.task2_page import rewrite
 
     res_dir, eval_dir = smoke / RUN / "results", smoke / RUN / "eval"
@@ -239,14 +238,7 @@ def test_page_regenerates_from_results_alone(smoke, tmp_path, monkeypatch):
     shutil.copy(res_dir / "results.json", tmp_path / "results.json")
     rewrite(str(tmp_path))
     assert (tmp_path / "RESULTS.md").read_text() == page
-    monkeypatch.chdir(smoke)
-    os.rename(eval_dir, tmp_path / "eval")
-    try:
-        (res_dir / "RESULTS.md").unlink()
-        main(["--config", "task2", "--smoke", "--report"])
-    finally:
-        os.rename(tmp_path / "eval", eval_dir)
-    assert (res_dir / "RESULTS.md").read_text() == page
+    assert page_through_report(smoke, "task2", res_dir, eval_dir, tmp_path) == page
 
 
 def test_rule_on_hand_made_numbers():

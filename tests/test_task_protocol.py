@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import task_smoke_root
+from conftest import page_through_report, task_smoke_root
 
 from data.prepare import load_npz
 from decoding import Generation
@@ -135,10 +135,9 @@ def test_task_replies_regrade_and_redecode(task_smoke):
         assert all(abs(c - r["tau"]) > 1e-9 for c in conf)  # no confidence float64's 1e-16 could move past τ
 
 
-def test_task_page_regenerates_from_saved_results_alone(task_smoke, tmp_path, monkeypatch):
+def test_task_page_regenerates_from_saved_results_alone(task_smoke, tmp_path):
     """The report stage's RESULTS.md comes back byte for byte from its results.json alone: in a directory
     holding nothing else (task_page.rewrite), and through `--report` with the run's pieces gone."""
-    from scripts.real_model.__main__ import main
     from scripts.real_model.task_page import rewrite
 
     res_dir, eval_dir = task_smoke / TASK_RUN / "results", task_smoke / TASK_RUN / "eval"
@@ -149,14 +148,7 @@ def test_task_page_regenerates_from_saved_results_alone(task_smoke, tmp_path, mo
     shutil.copy(res_dir / "results.json", tmp_path / "results.json")
     rewrite(str(tmp_path))
     assert (tmp_path / "RESULTS.md").read_text() == page and (tmp_path / "tau_sweep.png").stat().st_size > 0
-    monkeypatch.chdir(task_smoke)
-    os.rename(eval_dir, tmp_path / "eval")
-    try:
-        (res_dir / "RESULTS.md").unlink()
-        main(["--config", "task", "--smoke", "--report"])
-    finally:
-        os.rename(tmp_path / "eval", eval_dir)
-    assert (res_dir / "RESULTS.md").read_text() == page
+    assert page_through_report(task_smoke, "task", res_dir, eval_dir, tmp_path) == page
 
 
 def test_task_evaluation_resumes_skipping_finished_pieces(task_smoke, monkeypatch, capsys):
