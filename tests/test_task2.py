@@ -110,7 +110,8 @@ def test_replies_regrade_and_engine_is_the_reference(smoke):
     from exact import generate_exact
     from generate import generate
     from scripts.real_model.run import chat_ids, eos_of
-    from scripts.real_model.task2 import SMOKE, reply_row
+    from scripts.real_model.task2 import SMOKE
+    from scripts.real_model.task2_decode import reply_row
 
     run = smoke / RUN
     rows = read_jsonl(run / "results" / "replies.jsonl")

@@ -26,11 +26,13 @@ end to end and resumable (issues 15, 21, 33), run as `python -m scripts.real_mod
     task_speed.py  the task model timed as a user runs it: the reference, the engine, its loops, HF
     clustered.py   a paired two-stage bootstrap: templates, then problems within them (issue 61)
     task2.py       issue 61's protocol ("protocol": "tasks2"): task set v2, each arm's lr and steps
-                   chosen on validation, two seeds, every decode on the engine in batches
+                   chosen on validation, two seeds
+    task2_decode.py  its decoding: every decode on the engine in batches, as resumable pieces, and
+                   the engine checked against the reference decoders
     task2_page.py  its results.json (clustered intervals) and RESULTS.md from results.json alone
 
 Imports run down: __main__ -> protocol -> (task_eval -> stages, task_page -> report), __main__ ->
-task2_page -> (task2 -> stages, clustered); stages ->
+task2_page -> (task2 -> (stages, task2_decode), task2_decode, clustered); stages ->
 (replies, committed, training, evaluation, speed, page -> round3 -> report) -> reliability,
 ceiling, run -> the core (root modules, data/, util/, scripts/common.py); never another script's
 package. Nothing is imported here: each user imports the module it needs.

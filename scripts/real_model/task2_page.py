@@ -21,7 +21,8 @@ import numpy as np
 
 from scripts.common import machine
 from scripts.real_model.clustered import paired_bootstrap
-from scripts.real_model.task2 import ARMS, load_piece, problems_of, stage_losses, test_pieces
+from scripts.real_model.task2 import ARMS, stage_losses, test_pieces
+from scripts.real_model.task2_decode import load_piece, problems_of
 from util.atomic import write_text
 
 PAPER_7B = {"1": (73.2, 1.00), "0.95": (71.0, 1.79), "0.9": (70.3, 1.96), "0.8": (67.7, 2.19),
